@@ -1,0 +1,3 @@
+from deploykit.cli import main
+
+main()

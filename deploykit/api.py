@@ -1,0 +1,286 @@
+"""What the CLI calls and users import: ``convert()`` runs the pipeline stage by stage.
+
+load -> check inputs -> export -> passes -> validate -> report -> bundle (see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+
+from deploykit import bundle
+from deploykit.backends.onnxruntime import OnnxRuntimeRunner
+from deploykit.backends.torch import TorchRunner
+from deploykit.compare import parse_tolerances
+from deploykit.errors import BadInputError, DeployKitError
+from deploykit.export import DEFAULT_OPSET, export_onnx
+from deploykit.feeds import load_feeds, random_feeds
+from deploykit.loading import LoadedModel, load_model
+from deploykit.passes import op_histogram, run_passes
+from deploykit.report import render_html
+from deploykit.specs import BatchRange, InputSpec
+from deploykit.validate import CandidateValidation, validate
+from deploykit.versions import tool_versions
+
+BUNDLE_FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass
+class ConvertOptions:
+    model: Path
+    output: Path
+    inputs: list[InputSpec] = dataclasses.field(default_factory=list)
+    batch: BatchRange | None = None
+    factory: str | None = None
+    trust_pickle: bool = False
+    exporter: str = "auto"
+    opset: int = DEFAULT_OPSET
+    feeds_path: Path | None = None
+    seed: int = 0
+    tolerances: list[str] = dataclasses.field(default_factory=list)
+    force: bool = False
+
+
+@dataclasses.dataclass
+class ConvertResult:
+    out_dir: Path
+    report: dict
+    validations: list[CandidateValidation]
+
+    @property
+    def passed(self) -> bool:
+        return self.report["verdict"] == "pass"
+
+
+def _no_stage(_title: str):
+    return contextlib.nullcontext()
+
+
+def convert(options: ConvertOptions, stage=_no_stage) -> ConvertResult:
+    """Convert, validate and bundle a model. ``stage(title)`` wraps each step (progress display)."""
+    bundle.check_destination(Path(options.output).absolute(), options.force)
+    with stage("Loading the model"):
+        loaded = load_model(options.model, options.factory, options.trust_pickle)
+        specs = resolve_input_specs(loaded, options.inputs, options.batch)
+    with stage("Running the model in PyTorch"):
+        reference = TorchRunner(loaded, [spec.name for spec in specs])
+        example = _example_inputs(specs, options.batch)
+        _probe(reference, example, specs)
+    with stage("Exporting ONNX"):
+        exported = export_onnx(
+            loaded, {k: torch.from_numpy(v) for k, v in example.items()},
+            reference.output_names, options.batch, options.opset, options.exporter,
+        )
+    with stage("Optimizing the graph"):
+        optimized, pass_stats = run_passes(exported.model)
+    with stage("Validating against PyTorch"):
+        feed_sets = _validation_feeds(specs, options)
+        tolerances = parse_tolerances(options.tolerances, "fp32", reference.output_names)
+        candidates = {
+            "deploykit graph": OnnxRuntimeRunner(optimized),
+            "plain export": OnnxRuntimeRunner(exported.model),
+        }
+        _check_signature(candidates["deploykit graph"], specs, reference.output_names)
+        validations = validate(reference, candidates, feed_sets, tolerances)
+    report = build_report(options, loaded, specs, exported, optimized, pass_stats, validations, feed_sets)
+    with stage("Writing the bundle"):
+        with bundle.staged_bundle(options.output, options.force) as (staging, manifest):
+            onnx.save_model(optimized, staging / "model.onnx")
+            bundle.write_json(staging / "report.json", report)
+            (staging / "report.html").write_text(render_html(report, validations))
+            manifest.update(build_manifest(report, optimized))
+    return ConvertResult(Path(options.output).absolute(), report, validations)
+
+
+def resolve_input_specs(
+    loaded: LoadedModel, specs: list[InputSpec], batch: BatchRange | None
+) -> list[InputSpec]:
+    """Match the declared inputs to the model's arguments, in the model's order."""
+    names = loaded.input_names
+    if not specs:
+        if loaded.program is None:
+            raise BadInputError(
+                f"declare the model's inputs with --input NAME:SHAPE (model inputs: {', '.join(names) or '?'}), "
+                "e.g. --input x:1x3x224x224"
+            )
+        specs = _program_input_specs(loaded.program)
+    by_name = {spec.name: spec for spec in specs}
+    if len(by_name) != len(specs):
+        raise BadInputError("--input names an input twice; give each input once")
+    if names and set(by_name) != set(names):
+        unknown = sorted(set(by_name) - set(names))
+        missing = [n for n in names if n not in by_name]
+        problem = f"no input named {', '.join(unknown)}" if unknown else f"missing --input for {', '.join(missing)}"
+        raise BadInputError(f"--input does not match the model: {problem}; the model takes {', '.join(names)}")
+    ordered = [by_name[name] for name in names] if names else specs
+    if batch is not None:
+        ordered = [spec.with_batch(batch.opt) for spec in ordered]
+    return ordered
+
+
+def _program_input_specs(program: torch.export.ExportedProgram) -> list[InputSpec]:
+    placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
+    specs = []
+    for name in program.graph_signature.user_inputs:
+        value = placeholders[name].meta["val"]
+        shape = tuple(int(d) if isinstance(d, int) else int(d.node.hint or 1) for d in value.shape)
+        dtype = str(value.dtype).removeprefix("torch.")
+        specs.append(InputSpec(name, shape, np.dtype(dtype).name))
+    return specs
+
+
+def _example_inputs(specs: list[InputSpec], batch: BatchRange | None) -> dict[str, np.ndarray]:
+    """Export inputs. A dynamic batch is traced at size >= 2, as torch.export specialises 0 and 1."""
+    if batch is not None and batch.max >= 2:
+        specs = [spec.with_batch(max(2, batch.opt)) for spec in specs]
+    return random_feeds(specs, seed=1234)
+
+
+def _probe(reference: TorchRunner, example: dict[str, np.ndarray], specs: list[InputSpec]) -> None:
+    try:
+        reference.run(example)
+    except DeployKitError:
+        raise
+    except Exception as error:
+        declared = " ".join(spec.describe() for spec in specs)
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise BadInputError(
+            f"the model rejects inputs {declared}: {first_line[:300]}; check the rank, sizes "
+            "and dtype given with --input"
+        ) from error
+
+
+def _validation_feeds(specs: list[InputSpec], options: ConvertOptions) -> list[dict[str, np.ndarray]]:
+    """One feed set per validated batch size: both ends and the optimum of a dynamic range."""
+    if options.feeds_path is not None:
+        feeds = load_feeds(options.feeds_path, specs)
+        size = next(iter(feeds.values())).shape[0]
+        if options.batch is None:
+            if size != specs[0].shape[0]:
+                raise BadInputError(
+                    f"--inputs has batch {size} but the model was declared with batch "
+                    f"{specs[0].shape[0]}; pass --batch MIN:OPT:MAX or match the size"
+                )
+            return [feeds]
+        if not options.batch.min <= size <= options.batch.max:
+            raise BadInputError(f"--inputs has batch {size}, outside --batch {options.batch.min}..{options.batch.max}")
+        sizes = sorted({s for s in options.batch.validation_sizes() if s <= size} | {size})
+        return [{name: array[:s] for name, array in feeds.items()} for s in sizes]
+    sizes = options.batch.validation_sizes() if options.batch else [specs[0].shape[0]]
+    return [
+        random_feeds([spec.with_batch(size) for spec in specs], options.seed + index)
+        for index, size in enumerate(sizes)
+    ]
+
+
+def _check_signature(runner: OnnxRuntimeRunner, specs: list[InputSpec], output_names: list[str]) -> None:
+    onnx_inputs = [i.name for i in runner.session.get_inputs()]
+    if onnx_inputs != [spec.name for spec in specs] or runner.output_names != output_names:
+        raise DeployKitError(
+            f"the exported graph's signature ({onnx_inputs} -> {runner.output_names}) differs from "
+            f"the model's ({[s.name for s in specs]} -> {output_names}); please report this"
+        )
+
+
+def _value_info(value: onnx.ValueInfoProto) -> dict:
+    tensor = value.type.tensor_type
+    return {
+        "name": value.name,
+        "dtype": onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name,
+        "shape": [d.dim_param or d.dim_value for d in tensor.shape.dim],
+    }
+
+
+def _shape_text(spec: InputSpec, batch: BatchRange | None) -> str:
+    dims = ["N", *map(str, spec.shape[1:])] if batch else list(map(str, spec.shape))
+    return "x".join(dims)
+
+
+def _batch_norm_count(model: onnx.ModelProto) -> int:
+    return sum(node.op_type == "BatchNormalization" for node in model.graph.node)
+
+
+def build_report(options, loaded, specs, exported, optimized, pass_stats, validations, feed_sets) -> dict:
+    final, plain = validations
+    failures = final.failures()
+    if failures:
+        failures.append(
+            "the plain export fails as well, so the exporter (not deploykit's passes) lost accuracy"
+            if not plain.passed else
+            "the plain export passes, so a deploykit pass changed the results: please report this"
+        )
+    worst = max((o.metrics.get("max_abs", float("inf")) for r in final.runs for o in r.outputs), default=0.0)
+    sizes = ", ".join(str(next(iter(f.values())).shape[0]) for f in feed_sets)
+    verdict = "pass" if final.passed else "fail"
+    before, after = op_histogram(exported.model), op_histogram(optimized)
+    return {
+        "verdict": verdict,
+        "summary": (
+            f"{final.label} in {final.backend} matches PyTorch on batch sizes {sizes} "
+            f"(worst max abs error {worst:.3g})" if final.passed
+            else f"{len(failures)} check(s) failed on batch sizes {sizes}"
+        ),
+        "failures": failures,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": {
+            "source": str(options.model),
+            "kind": loaded.kind,
+            "inputs": [{"name": s.name, "dtype": s.dtype, "shape": _shape_text(s, options.batch)} for s in specs],
+            "batch": options.batch.to_json() if options.batch else None,
+        },
+        "export": {"exporter": exported.exporter, "opset": exported.opset},
+        "passes": [s.to_json() for s in pass_stats],
+        "graph": {
+            "nodes_before": len(exported.model.graph.node),
+            "nodes_after": len(optimized.graph.node),
+            "batch_norm_before": _batch_norm_count(exported.model),
+            "batch_norm_after": _batch_norm_count(optimized),
+            "ops": [{"name": op, "before": before.get(op, 0), "after": after.get(op, 0)}
+                    for op in sorted(set(before) | set(after))],
+        },
+        "validation": {
+            "reference": "pytorch-fp32-cpu",
+            "inputs": str(options.feeds_path) if options.feeds_path else f"seeded random (seed {options.seed})",
+            "batch_sizes": [int(next(iter(f.values())).shape[0]) for f in feed_sets],
+            "passed": final.passed,
+            "candidates": [v.to_json() for v in validations],
+        },
+        "versions": tool_versions(),
+    }
+
+
+def build_manifest(report: dict, model: onnx.ModelProto) -> dict:
+    batch = report["model"]["batch"]
+    inputs = [_value_info(value) for value in model.graph.input]
+    for entry in inputs:
+        if batch:
+            entry["dynamic"] = {"0": batch}
+    final = report["validation"]["candidates"][0]
+    return {
+        "format": "deploykit-bundle",
+        "format_version": BUNDLE_FORMAT_VERSION,
+        "created": report["created"],
+        "source": report["model"]["source"],
+        "model": "model.onnx",
+        "precision": "fp32",
+        "opset": report["export"]["opset"],
+        "ir_version": model.ir_version,
+        "exporter": report["export"]["exporter"],
+        "inputs": inputs,
+        "outputs": [_value_info(value) for value in model.graph.output],
+        "passes": report["passes"],
+        "custom_op_libraries": [],
+        "versions": report["versions"],
+        "validation": {
+            "passed": report["validation"]["passed"],
+            "backend": final["backend"],
+            "batch_sizes": report["validation"]["batch_sizes"],
+            "max_abs": {o["name"]: o["metrics"].get("max_abs") for o in final["runs"][-1]["outputs"]},
+        },
+    }

@@ -1,0 +1,29 @@
+"""Graph passes over the exported ONNX model, in the order they run.
+
+Each pass mutates an ``onnx_ir.Model`` in place and returns a :class:`PassStats`; the
+model is converted from and back to a ``ModelProto`` once, around the whole list.
+"""
+
+from __future__ import annotations
+
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+
+from deploykit.passes.base import PassStats, op_histogram
+from deploykit.passes.cleanup import fold_constants, remove_dead_code
+from deploykit.passes.fold_bn import fold_batch_norm
+
+#: The default pipeline. Constant folding first exposes constant BN parameters and weights.
+DEFAULT_PASSES = (fold_constants, fold_batch_norm, remove_dead_code)
+
+
+def run_passes(model: onnx.ModelProto, passes=DEFAULT_PASSES) -> tuple[onnx.ModelProto, list[PassStats]]:
+    ir_model = ir.serde.deserialize_model(model)
+    # Folding into MatMul needs input ranks: infer shapes the exporter did not record.
+    common_passes.ShapeInferencePass()(ir_model)
+    stats = [run(ir_model) for run in passes]
+    return ir.serde.serialize_model(ir_model), stats
+
+
+__all__ = ["DEFAULT_PASSES", "PassStats", "op_histogram", "run_passes"]

@@ -1,0 +1,68 @@
+"""Run the reference and each candidate on the same inputs and compare every output."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from deploykit.compare import OutputComparison, Tolerance, compare_output
+
+
+@dataclasses.dataclass
+class BatchRun:
+    batch: int
+    outputs: list[OutputComparison]
+
+    @property
+    def passed(self) -> bool:
+        return all(o.passed for o in self.outputs)
+
+
+@dataclasses.dataclass
+class CandidateValidation:
+    """One candidate (e.g. ONNX Runtime on the final graph) against the reference."""
+
+    label: str
+    backend: str
+    runs: list[BatchRun]
+
+    @property
+    def passed(self) -> bool:
+        return all(run.passed for run in self.runs)
+
+    def failures(self) -> list[str]:
+        return [
+            f"{self.label}: output {o.name} (batch {run.batch}): {reason}"
+            for run in self.runs for o in run.outputs for reason in o.failures
+        ]
+
+    def to_json(self) -> dict:
+        return {
+            "label": self.label,
+            "backend": self.backend,
+            "passed": self.passed,
+            "runs": [{"batch": r.batch, "passed": r.passed, "outputs": [o.to_json() for o in r.outputs]} for r in self.runs],
+        }
+
+
+def validate(
+    reference,
+    candidates: dict[str, object],
+    feed_sets: list[dict[str, np.ndarray]],
+    tolerances: dict[str, Tolerance],
+) -> list[CandidateValidation]:
+    """Compare each candidate runner with ``reference`` on every feed set."""
+    references = [reference.run(feeds) for feeds in feed_sets]
+    results = []
+    for label, runner in candidates.items():
+        runs = []
+        for feeds, expected in zip(feed_sets, references):
+            actual = runner.run(feeds)
+            batch = int(next(iter(feeds.values())).shape[0])
+            runs.append(BatchRun(batch, [
+                compare_output(name, expected[name], actual[name], tolerances[name])
+                for name in expected
+            ]))
+        results.append(CandidateValidation(label, runner.name, runs))
+    return results
