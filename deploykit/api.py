@@ -18,7 +18,7 @@ from deploykit import bundle
 from deploykit.backends.onnxruntime import OnnxRuntimeRunner
 from deploykit.backends.torch import TorchRunner
 from deploykit.compare import parse_tolerances
-from deploykit.errors import BadInputError, DeployKitError
+from deploykit.errors import BadInputError, DeployKitError, error_summary
 from deploykit.export import DEFAULT_OPSET, export_onnx
 from deploykit.feeds import load_feeds, random_feeds
 from deploykit.loading import LoadedModel, load_model
@@ -149,9 +149,8 @@ def _probe(reference: TorchRunner, example: dict[str, np.ndarray], specs: list[I
         raise
     except Exception as error:
         declared = " ".join(spec.describe() for spec in specs)
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise BadInputError(
-            f"the model rejects inputs {declared}: {first_line[:300]}; check the rank, sizes "
+            f"the model rejects inputs {declared}: {error_summary(error)[:300]}; check the rank, sizes "
             "and dtype given with --input"
         ) from error
 

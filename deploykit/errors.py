@@ -6,6 +6,8 @@ that line alone (the traceback only with ``--verbose``).
 
 from __future__ import annotations
 
+import re
+
 EXIT_OK = 0
 EXIT_VALIDATION_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -35,3 +37,16 @@ class ValidationFailed(DeployKitError):
     """The converted model does not reproduce the reference within tolerance (exit 1)."""
 
     exit_code = EXIT_VALIDATION_FAILED
+
+
+def error_summary(error: BaseException) -> str:
+    """The line of a library's error that says what went wrong.
+
+    Prefers the last ``SomeError: message`` line, since TorchScript and torch.export put
+    the cause after their own tracebacks; otherwise the first line.
+    """
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for line in reversed(lines):
+        if match := re.match(r"^\w*(?:Error|Exception): (.+)", line):
+            return match.group(1)
+    return lines[0] if lines else type(error).__name__

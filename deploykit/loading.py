@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from deploykit.errors import BadInputError
+from deploykit.errors import BadInputError, error_summary
 
 _RESAVE_HINT = "save it with torch.jit.save, torch.export.save or torch.save"
 _BATCH_NORM_NAMES = {"BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm"}
@@ -113,7 +113,7 @@ def _guarded(loader, path: Path, **kwargs):
         return loader(str(path), **kwargs)
     except Exception as error:  # torch raises many kinds for a damaged file
         raise BadInputError(
-            f"cannot load {path}: {_first_line(error)}; the file may be truncated; {_RESAVE_HINT}"
+            f"cannot load {path}: {error_summary(error)}; the file may be truncated; {_RESAVE_HINT}"
         ) from error
 
 
@@ -123,14 +123,14 @@ def _load_pickle(path: Path, trust_pickle: bool):
         return torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except pickle.UnpicklingError as error:
         if trust_pickle:
-            raise BadInputError(f"cannot unpickle {path}: {_first_line(error)}") from error
+            raise BadInputError(f"cannot unpickle {path}: {error_summary(error)}") from error
         raise BadInputError(
             f"{path} is a pickled object (e.g. a whole nn.Module); unpickling runs code from the "
             "file, so it was not loaded; pass --trust-pickle if you trust its source, or "
             "save the model with torch.jit.save / torch.export.save instead"
         ) from None
     except Exception as error:
-        raise BadInputError(f"cannot load {path}: {_first_line(error)}; {_RESAVE_HINT}") from error
+        raise BadInputError(f"cannot load {path}: {error_summary(error)}; {_RESAVE_HINT}") from error
 
 
 def _build_from_factory(factory: str, weights: Path) -> torch.nn.Module:
@@ -161,7 +161,7 @@ def _call_factory(factory: str) -> torch.nn.Module:
     try:
         function = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError) as error:
-        raise BadInputError(f"--factory {factory!r}: {_first_line(error)}; check the name") from error
+        raise BadInputError(f"--factory {factory!r}: {error_summary(error)}; check the name") from error
     module = function()
     if not isinstance(module, torch.nn.Module):
         raise BadInputError(
@@ -266,8 +266,3 @@ def _check_program_in_eval_mode(program: torch.export.ExportedProgram) -> None:
                 "the torch.export program was exported in training mode (BatchNorm uses batch "
                 "statistics); call model.eval() before torch.export.export and save it again"
             )
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0]

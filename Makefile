@@ -1,0 +1,28 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   create .venv, install deploykit, build the example model, convert it
+#   make test   create .venv, install deploykit with its test extras, run the tests
+VENV ?= .venv
+PYTHON ?= python3
+TORCH ?= torch==2.14.1 torchvision==0.29.1
+PY := $(VENV)/bin/python
+DEMO := examples/resnet18
+
+.PHONY: demo test install clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) $(DEMO)/build_model.py $(DEMO)/model.pt2
+	$(VENV)/bin/deploykit convert $(DEMO)/model.pt2 -o $(DEMO)/out --batch 1:4:8 --force
+
+test: install
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) $(DEMO)/model.pt2 $(DEMO)/out

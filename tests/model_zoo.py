@@ -1,0 +1,61 @@
+"""Model factories for the CLI tests (``--factory model_zoo:NAME``).
+
+torchvision models are built with random weights (nothing can be downloaded); the tests
+save state_dicts of instances whose BatchNorm statistics were randomised.
+"""
+
+import torch
+import torchvision
+from torch import nn
+
+
+def resnet18() -> nn.Module:
+    return torchvision.models.resnet18(num_classes=17)
+
+
+def resnet18_sync_batch_norm() -> nn.Module:
+    """What a DDP training script holds: SyncBatchNorm layers, which we must turn into BN."""
+    return nn.SyncBatchNorm.convert_sync_batchnorm(resnet18())
+
+
+def mobilenet_v3_small() -> nn.Module:
+    return torchvision.models.mobilenet_v3_small(num_classes=17)
+
+
+def densenet121() -> nn.Module:
+    """BatchNorms after concatenations, which no weight can absorb."""
+    return torchvision.models.densenet121(num_classes=17)
+
+
+class Decoder(nn.Module):
+    """ConvTranspose -> BN upsampling (grouped and plain), then a BN -> 1x1 conv head."""
+
+    def __init__(self):
+        super().__init__()
+        self.up1 = nn.Sequential(nn.ConvTranspose2d(8, 12, 4, stride=2, padding=1), nn.BatchNorm2d(12), nn.ReLU())
+        self.up2 = nn.Sequential(nn.ConvTranspose2d(12, 6, 3, stride=2, groups=3, bias=False), nn.BatchNorm2d(6), nn.ReLU())
+        self.head = nn.Sequential(nn.BatchNorm2d(6), nn.Conv2d(6, 5, 1))
+
+    def forward(self, x):
+        return self.head(self.up2(self.up1(x)))
+
+
+def decoder() -> nn.Module:
+    return Decoder()
+
+
+class TabularNet(nn.Module):
+    """Linear -> BatchNorm1d blocks, as in tabular and embedding heads; two outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(13, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 16, bias=False), nn.BatchNorm1d(16))
+        self.classes = nn.Linear(16, 4)
+
+    def forward(self, features):
+        hidden = self.body(features)
+        return self.classes(hidden), hidden
+
+
+def tabular() -> nn.Module:
+    return TabularNet()

@@ -1,0 +1,102 @@
+"""Convert real models through the CLI with dynamic batch and check the bundle passes fp32.
+
+Each model comes from a factory in ``model_zoo`` and a state_dict with randomised
+BatchNorm statistics, saved the way DDP saves it (``module.`` prefixes).
+"""
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+
+import model_zoo
+from deploykit.testing import randomize_batch_norm
+
+TESTS = Path(__file__).parent
+# model factory -> (input spec without batch, BatchNormalization nodes that must remain)
+MODELS = {
+    "resnet18": ("x:1x3x67x53", 0),
+    "mobilenet_v3_small": ("x:1x3x67x53", 0),
+    # 58 dense layers' norm1 (after a concat), 3 transitions and norm5 follow no weight
+    "densenet121": ("x:1x3x64x57", 62),
+    "decoder": ("x:1x8x7x5", 0),
+    "tabular": ("features:1x13", 0),
+}
+# Rules that must fire where the exporter leaves the BatchNorms to us.
+EXPECTED_RULES = {
+    ("decoder", "torchscript"): {"fold_bn_into_convtranspose", "fold_bn_into_convtranspose_bias", "fold_bn_into_next_conv_bias"},
+    ("decoder", "dynamo"): {"fold_bn_into_next_conv_bias"},
+    ("tabular", "torchscript"): {"fold_bn_into_gemm_bias", "fold_bn_into_matmul"},
+}
+
+
+def convert(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "deploykit", "convert", *args]
+    env = {"PYTHONPATH": str(TESTS), "PATH": "/usr/bin:/bin", "COLUMNS": "120"}
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+
+
+def save_ddp_state_dict(name: str, path: Path) -> None:
+    torch.manual_seed(0)
+    model = randomize_batch_norm(getattr(model_zoo, name)(), seed=1)
+    torch.save({"state_dict": {f"module.{k}": v for k, v in model.state_dict().items()}}, path)
+
+
+def check_bundle(out: Path, input_names: list[str]) -> dict:
+    manifest = json.loads((out / "manifest.json").read_text())
+    report = json.loads((out / "report.json").read_text())
+    for name, entry in manifest["files"].items():
+        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == entry["sha256"], name
+    assert report["verdict"] == "pass" and manifest["validation"]["passed"]
+    assert len(report["validation"]["batch_sizes"]) >= 2
+    model = onnx.load(out / "model.onnx")
+    assert [i.name for i in model.graph.input] == input_names
+    assert all(i.type.tensor_type.shape.dim[0].dim_param for i in model.graph.input), "batch must be dynamic"
+    assert (out / "report.html").read_text().count("PASS") >= 1
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_convert_model(tmp_path, name, exporter):
+    spec, remaining_batch_norms = MODELS[name]
+    save_ddp_state_dict(name, tmp_path / "weights.pt")
+    result = convert(
+        tmp_path, "weights.pt", "--factory", f"model_zoo:{name}", "--input", spec,
+        "--batch", "1:2:3", "--exporter", exporter, "-o", "bundle",
+    )
+    assert result.returncode == 0, result.stderr
+    report = check_bundle(tmp_path / "bundle", [spec.split(":")[0]])
+    assert report["graph"]["batch_norm_after"] == remaining_batch_norms
+    fired = {rule for p in report["passes"] if p["name"] == "fold_batch_norm" for rule in p["changes"]}
+    assert EXPECTED_RULES.get((name, exporter), set()) <= fired
+    assert "PASS" in result.stderr and "report.html" in result.stderr
+
+
+def test_sync_batch_norm_checkpoint(tmp_path):
+    """A DDP checkpoint of a SyncBatchNorm model loads into plain BatchNorm and folds."""
+    save_ddp_state_dict("resnet18", tmp_path / "weights.pt")
+    result = convert(
+        tmp_path, "weights.pt", "--factory", "model_zoo:resnet18_sync_batch_norm",
+        "--input", "x:2x3x40x40", "-o", "bundle",
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "bundle" / "report.json").read_text())
+    assert report["verdict"] == "pass" and report["graph"]["batch_norm_after"] == 0
+
+
+def test_torchscript_file(tmp_path):
+    torch.manual_seed(0)
+    model = randomize_batch_norm(model_zoo.decoder(), seed=2)
+    torch.jit.save(torch.jit.trace(model, torch.randn(1, 8, 7, 5)), tmp_path / "model.pt")
+    result = convert(tmp_path, "model.pt", "--input", "x:1x8x7x5", "--batch", "1:4:5", "-o", "bundle")
+    assert result.returncode == 0, result.stderr
+    report = check_bundle(tmp_path / "bundle", ["x"])
+    assert report["export"]["exporter"] == "torchscript"
+    assert report["validation"]["batch_sizes"] == [1, 4, 5]
