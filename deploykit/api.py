@@ -19,9 +19,9 @@ from deploykit.backends.onnxruntime import OnnxRuntimeRunner
 from deploykit.backends.torch import TorchRunner
 from deploykit.compare import parse_tolerances
 from deploykit.errors import BadInputError, DeployKitError, error_summary
-from deploykit.export import DEFAULT_OPSET, export_onnx
+from deploykit.export import DEFAULT_OPSET, check_program_batch, export_onnx
 from deploykit.feeds import load_feeds, random_feeds
-from deploykit.loading import LoadedModel, load_model
+from deploykit.loading import LoadedModel, count_batch_norms, load_model
 from deploykit.passes import op_histogram, run_passes
 from deploykit.report import render_html
 from deploykit.specs import BatchRange, InputSpec
@@ -67,6 +67,8 @@ def convert(options: ConvertOptions, stage=_no_stage) -> ConvertResult:
     bundle.check_destination(Path(options.output).absolute(), options.force)
     with stage("Loading the model"):
         loaded = load_model(options.model, options.factory, options.trust_pickle)
+        if loaded.program is not None:
+            check_program_batch(loaded.program, options.batch)
         specs = resolve_input_specs(loaded, options.inputs, options.batch)
     with stage("Running the model in PyTorch"):
         reference = TorchRunner(loaded, [spec.name for spec in specs])
@@ -88,7 +90,7 @@ def convert(options: ConvertOptions, stage=_no_stage) -> ConvertResult:
         }
         _check_signature(candidates["deploykit graph"], specs, reference.output_names)
         validations = validate(reference, candidates, feed_sets, tolerances)
-    report = build_report(options, loaded, specs, exported, optimized, pass_stats, validations, feed_sets)
+    report = build_report(options, loaded, specs, exported, optimized, pass_stats, validations)
     with stage("Writing the bundle"):
         with bundle.staged_bundle(options.output, options.force) as (staging, manifest):
             onnx.save_model(optimized, staging / "model.onnx")
@@ -205,7 +207,7 @@ def _batch_norm_count(model: onnx.ModelProto) -> int:
     return sum(node.op_type == "BatchNormalization" for node in model.graph.node)
 
 
-def build_report(options, loaded, specs, exported, optimized, pass_stats, validations, feed_sets) -> dict:
+def build_report(options, loaded, specs, exported, optimized, pass_stats, validations) -> dict:
     final, plain = validations
     failures = final.failures()
     if failures:
@@ -215,7 +217,8 @@ def build_report(options, loaded, specs, exported, optimized, pass_stats, valida
             "the plain export passes, so a deploykit pass changed the results: please report this"
         )
     worst = max((o.metrics.get("max_abs", float("inf")) for r in final.runs for o in r.outputs), default=0.0)
-    sizes = ", ".join(str(next(iter(f.values())).shape[0]) for f in feed_sets)
+    batch_sizes = [run.batch for run in final.runs]
+    sizes = ", ".join(map(str, batch_sizes))
     verdict = "pass" if final.passed else "fail"
     before, after = op_histogram(exported.model), op_histogram(optimized)
     return {
@@ -238,6 +241,7 @@ def build_report(options, loaded, specs, exported, optimized, pass_stats, valida
         "graph": {
             "nodes_before": len(exported.model.graph.node),
             "nodes_after": len(optimized.graph.node),
+            "batch_norm_in_model": count_batch_norms(loaded),
             "batch_norm_before": _batch_norm_count(exported.model),
             "batch_norm_after": _batch_norm_count(optimized),
             "ops": [{"name": op, "before": before.get(op, 0), "after": after.get(op, 0)}
@@ -246,7 +250,7 @@ def build_report(options, loaded, specs, exported, optimized, pass_stats, valida
         "validation": {
             "reference": "pytorch-fp32-cpu",
             "inputs": str(options.feeds_path) if options.feeds_path else f"seeded random (seed {options.seed})",
-            "batch_sizes": [int(next(iter(f.values())).shape[0]) for f in feed_sets],
+            "batch_sizes": batch_sizes,
             "passed": final.passed,
             "candidates": [v.to_json() for v in validations],
         },

@@ -47,6 +47,7 @@ def staged_bundle(out_dir: Path, force: bool):
     out_dir = Path(out_dir).absolute()
     check_destination(out_dir, force)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    staging.chmod(0o777 & ~_current_umask())  # mkdtemp makes it private; a bundle is not
     manifest: dict = {}
     try:
         yield staging, manifest
@@ -58,6 +59,12 @@ def staged_bundle(out_dir: Path, force: bool):
         _publish(staging, out_dir, force)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _publish(staging: Path, out_dir: Path, force: bool) -> None:

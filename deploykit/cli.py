@@ -118,9 +118,10 @@ def _print_summary(result) -> None:
     report = result.report
     graph = report["graph"]
     console.print(
-        f"Graph: {graph['nodes_before']} → {graph['nodes_after']} nodes, "
-        f"BatchNormalization {graph['batch_norm_before']} → {graph['batch_norm_after']} "
-        f"({report['export']['exporter']} exporter, opset {report['export']['opset']})"
+        f"Graph: {graph['nodes_before']} → {graph['nodes_after']} nodes; BatchNorm: "
+        f"{graph['batch_norm_in_model']} in PyTorch, {graph['batch_norm_before']} after the "
+        f"{report['export']['exporter']} exporter (opset {report['export']['opset']}), "
+        f"{graph['batch_norm_after']} after deploykit's passes"
     )
     for stats in report["passes"]:
         changes = ", ".join(f"{k} {v}" for k, v in stats["changes"].items() if v) or "no change"

@@ -103,15 +103,16 @@ def _cosine(ref: np.ndarray, cand: np.ndarray) -> float:
 
 
 def _nice_ceiling(value: float) -> float:
-    """Round up to 1, 2 or 5 times a power of ten, so suggested tolerances read well."""
+    """The smallest 1, 2 or 5 times a power of ten that is >= value, so suggestions read well."""
     if value <= 0:
         return 0.0
     exponent = math.floor(math.log10(value))
-    for step in (1, 2, 5, 10):
-        candidate = step * 10.0**exponent
-        if candidate >= value * (1 - 1e-12):
-            return float(f"{candidate:.3g}")
-    raise AssertionError("unreachable")
+    while True:
+        for step in (1, 2, 5):
+            candidate = float(f"{step * 10.0**exponent:.3g}")
+            if candidate >= value:
+                return candidate
+        exponent += 1
 
 
 def compare_output(name: str, ref: np.ndarray, cand: np.ndarray, tol: Tolerance) -> OutputComparison:
@@ -165,6 +166,9 @@ def _check(metrics, diff, magnitude, ref64, cand64, tol: Tolerance) -> list[str]
         mismatched = int((test(ref64) != test(cand64)).sum())
         if mismatched:
             failures.append(f"{mismatched} elements are {kind} in one result but not the other")
+    flipped = int((np.isinf(ref64) & np.isinf(cand64) & (ref64 != cand64)).sum())
+    if flipped:
+        failures.append(f"{flipped} elements are Inf of the opposite sign to the reference's")
     top1 = metrics.get("top1_agreement")
     if tol.min_top1 is not None and top1 is not None and top1 < tol.min_top1:
         failures.append(f"top-1 agreement {top1:.4f} < min_top1={tol.min_top1:g}")

@@ -85,7 +85,6 @@ def _choose_exporter(loaded: LoadedModel, exporter: str) -> str:
 def _export_dynamo(loaded, example, output_names, batch, opset) -> onnx.ModelProto:
     names = list(example)
     if loaded.program is not None:
-        _check_program_batch(loaded.program, batch)
         target, args, dynamic_shapes = loaded.program, (), None
     else:
         target, args = loaded.module, tuple(example.values())
@@ -100,17 +99,27 @@ def _export_dynamo(loaded, example, output_names, batch, opset) -> onnx.ModelPro
     return program.model_proto
 
 
-def _check_program_batch(program: torch.export.ExportedProgram, batch: BatchRange | None) -> None:
+def check_program_batch(program: torch.export.ExportedProgram, batch: BatchRange | None) -> None:
+    """A program's batch dimension is fixed at export time: --batch must fit inside it."""
     if batch is None:
         return
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     for name in program.graph_signature.user_inputs:
         value = placeholders[name].meta.get("val")
-        if value is not None and value.dim() > 0 and isinstance(value.shape[0], int):
+        if value is None or value.dim() == 0:
+            continue
+        if isinstance(value.shape[0], int):
             raise BadInputError(
                 f"the torch.export program fixes input {name}'s batch to {value.shape[0]}, so "
                 "--batch cannot make it dynamic; export with dynamic_shapes={..: {0: Dim('batch')}}"
                 " or drop --batch"
+            )
+        allowed = program.range_constraints.get(value.shape[0].node.expr)
+        if allowed is not None and not allowed.lower <= batch.min <= batch.max <= allowed.upper:
+            raise BadInputError(
+                f"--batch {batch.min}:{batch.opt}:{batch.max} exceeds the batch range "
+                f"{allowed.lower}..{allowed.upper} the torch.export program was exported with; "
+                "narrow --batch or re-export with a wider Dim"
             )
 
 

@@ -224,6 +224,18 @@ def _forward_argument_names(module: torch.nn.Module) -> list[str]:
     ]
 
 
+def count_batch_norms(loaded: LoadedModel) -> int:
+    """BatchNorm layers in the PyTorch model, to show how many the exporter already folded."""
+    if loaded.program is not None:
+        return sum("batch_norm" in str(node.target) for node in loaded.program.graph.nodes)
+    return sum(_is_batch_norm(child) for child in loaded.module.modules())
+
+
+def _is_batch_norm(module: torch.nn.Module) -> bool:
+    kind = getattr(module, "original_name", type(module).__name__)
+    return kind in _BATCH_NORM_NAMES or isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+
+
 def check_inference_ready(loaded: LoadedModel) -> None:
     """Refuse what would export wrongly: BN without running stats, train-mode BN, NaN/Inf."""
     if loaded.program is not None:
@@ -244,8 +256,7 @@ def check_inference_ready(loaded: LoadedModel) -> None:
 
 def _check_batch_norm_statistics(module: torch.nn.Module) -> None:
     for name, child in module.named_modules():
-        kind = getattr(child, "original_name", type(child).__name__)
-        if kind in _BATCH_NORM_NAMES or isinstance(child, torch.nn.modules.batchnorm._BatchNorm):
+        if _is_batch_norm(child):
             if getattr(child, "running_mean", None) is None or getattr(child, "running_var", None) is None:
                 raise BadInputError(
                     f"BatchNorm {name or '<root>'} has no running statistics "

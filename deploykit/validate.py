@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 
 from deploykit.compare import OutputComparison, Tolerance, compare_output
+from deploykit.errors import BadInputError, DeployKitError, error_summary
 
 
 @dataclasses.dataclass
@@ -53,16 +54,37 @@ def validate(
     tolerances: dict[str, Tolerance],
 ) -> list[CandidateValidation]:
     """Compare each candidate runner with ``reference`` on every feed set."""
-    references = [reference.run(feeds) for feeds in feed_sets]
+    references = [_run(reference, feeds, BadInputError) for feeds in feed_sets]
     results = []
     for label, runner in candidates.items():
         runs = []
         for feeds, expected in zip(feed_sets, references):
-            actual = runner.run(feeds)
-            batch = int(next(iter(feeds.values())).shape[0])
+            actual = _run(runner, feeds, DeployKitError)
+            batch = _batch_size(feeds)
             runs.append(BatchRun(batch, [
                 compare_output(name, expected[name], actual[name], tolerances[name])
                 for name in expected
             ]))
         results.append(CandidateValidation(label, runner.name, runs))
     return results
+
+
+def _batch_size(feeds: dict[str, np.ndarray]) -> int:
+    return int(next(iter(feeds.values())).shape[0])
+
+
+def _run(runner, feeds, error_type) -> dict[str, np.ndarray]:
+    """Run, turning a crash into an error that names the runner and the batch size.
+
+    The reference failing is the user's to fix (a batch size the model cannot take);
+    a converted model failing where PyTorch succeeded is ours.
+    """
+    try:
+        return runner.run(feeds)
+    except DeployKitError:
+        raise
+    except Exception as error:
+        hint = "narrow --batch to sizes the model accepts" if error_type is BadInputError else "please report this"
+        raise error_type(
+            f"{runner.name} fails at batch {_batch_size(feeds)}: {error_summary(error)[:300]}; {hint}"
+        ) from error

@@ -6,10 +6,12 @@ BatchNorm statistics, saved the way DDP saves it (``module.`` prefixes).
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -100,3 +102,40 @@ def test_torchscript_file(tmp_path):
     report = check_bundle(tmp_path / "bundle", ["x"])
     assert report["export"]["exporter"] == "torchscript"
     assert report["validation"]["batch_sizes"] == [1, 4, 5]
+
+
+def save_program(tmp_path: Path) -> Path:
+    """A torch.export program of mobilenet_v3_small with a dynamic batch of 1..8."""
+    torch.manual_seed(0)
+    model = randomize_batch_norm(model_zoo.mobilenet_v3_small(), seed=3)
+    batch = torch.export.Dim("batch", min=1, max=8)
+    program = torch.export.export(model, (torch.randn(2, 3, 48, 40),), dynamic_shapes={"x": {0: batch}})
+    torch.export.save(program, tmp_path / "model.pt2")
+    return tmp_path / "model.pt2"
+
+
+def test_exported_program_with_user_inputs(tmp_path):
+    """A .pt2 needs no --input; validation runs on the user's .npz at sizes within it."""
+    save_program(tmp_path)
+    data = torch.randn(5, 3, 48, 40).numpy()
+    np.savez(tmp_path / "data.npz", x=data)
+    result = convert(tmp_path, "model.pt2", "--batch", "1:2:8", "--inputs", "data.npz", "-o", "bundle", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["validation"]["batch_sizes"] == [1, 2, 5]
+    assert report["model"]["kind"] == "exported_program"
+    check_bundle(tmp_path / "bundle", ["x"])
+
+
+def test_validation_failure_names_output_and_tolerance(tmp_path):
+    """Impossible tolerances fail with exit 1, naming the output and a tolerance that passes."""
+    save_program(tmp_path)
+    result = convert(tmp_path, "model.pt2", "--tolerance", "output:atol=0,rtol=0,min_cosine=1", "-o", "bundle")
+    assert result.returncode == 1, result.stderr
+    assert "output output (batch 2)" in result.stderr and "would pass" in result.stderr
+    report = json.loads((tmp_path / "bundle" / "report.json").read_text())
+    manifest = json.loads((tmp_path / "bundle" / "manifest.json").read_text())
+    assert report["verdict"] == "fail" and manifest["validation"]["passed"] is False
+    suggested = re.search(r"atol=([0-9.e+-]+) would pass", result.stderr).group(1)
+    rerun = convert(tmp_path, "model.pt2", "--tolerance", f"atol={suggested},rtol=0,min_cosine=0.99", "-o", "again")
+    assert rerun.returncode == 0, rerun.stderr

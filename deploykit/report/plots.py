@@ -13,16 +13,14 @@ import numpy as np  # noqa: E402
 
 from deploykit.compare import OutputComparison  # noqa: E402
 
-_FLOOR = 1e-12  # exact matches are drawn in the leftmost bin
-
-
 def error_histogram_png(outputs: list[OutputComparison], title: str) -> str:
-    """Histogram of log10 |reference - candidate| per output, as a base64 PNG."""
+    """Histogram of log10 |reference - candidate| per output (exact matches counted in the legend)."""
     figure, axes = plt.subplots(figsize=(7.5, 3.2), dpi=110)
     for output in outputs:
-        errors = np.maximum(output.abs_error_sample, _FLOOR)
-        if errors.size:
-            axes.hist(np.log10(errors), bins=60, histtype="step", linewidth=1.4, label=output.name)
+        errors = output.abs_error_sample
+        nonzero = errors[errors > 0]
+        label = f"{output.name} ({errors.size - nonzero.size} of {errors.size} sampled exact)"
+        axes.hist(np.log10(nonzero) if nonzero.size else [], bins=60, histtype="step", linewidth=1.4, label=label)
         atol = output.tolerance.atol
         axes.axvline(np.log10(atol), linestyle="--", linewidth=1, color="grey")
     axes.set_xlabel("log10 |reference - candidate|  (dashed: atol)")
