@@ -42,8 +42,8 @@ def _new_initializer(op, array: np.ndarray, like: np.ndarray, name: str) -> ir.V
     return op.initializer(ir.tensor(array.astype(like.dtype)), name=name)
 
 
-class _FoldIntoProducer(RewriteRuleClassBase):
-    """Shared check for rules of the form ``BN(Producer(x, W[, b]))``."""
+class _FoldRule(RewriteRuleClassBase):
+    """Shared check: the BN and the neighbouring weight (and bias) are constants."""
 
     def check(self, context, bn_out, weight, bias=None, **_) -> MatchResult:
         result = MatchResult()
@@ -56,7 +56,7 @@ class _FoldIntoProducer(RewriteRuleClassBase):
         return result
 
 
-class FoldIntoConv(_FoldIntoProducer):
+class FoldIntoConv(_FoldRule):
     """``BN(Conv(x, W, b))`` -> ``Conv(x, W*s, b*s + t)``; also ConvTranspose."""
 
     def __init__(self, op_type: str, with_bias: bool):
@@ -109,7 +109,7 @@ class FoldIntoConv(_FoldIntoProducer):
         )
 
 
-class FoldIntoGemm(_FoldIntoProducer):
+class FoldIntoGemm(_FoldRule):
     """``BN(Gemm(a, B, C))`` -> ``Gemm(a, B*s, beta*C*s + t)`` (scaling B's output columns)."""
 
     def __init__(self, with_bias: bool):
@@ -148,7 +148,7 @@ class FoldIntoGemm(_FoldIntoProducer):
         )
 
 
-class FoldIntoMatMul(_FoldIntoProducer):
+class FoldIntoMatMul(_FoldRule):
     """``BN(MatMul(a, W) [+ b])`` with 2-D ``a`` -> ``MatMul(a, W*s) + (b*s + t)``.
 
     Only for 2-D ``a``: BatchNormalization normalises axis 1, which is MatMul's output
@@ -188,7 +188,7 @@ class FoldIntoMatMul(_FoldIntoProducer):
         return op.Add(op.MatMul(x, new_w), new_b)
 
 
-class FoldIntoFollowingConv(RewriteRuleClassBase):
+class FoldIntoFollowingConv(_FoldRule):
     """``Conv(BN(x), W, b)`` without padding -> ``Conv(x, W*s[c_in], b + sum(W*t[c_in]))``."""
 
     def __init__(self, with_bias: bool):
@@ -201,17 +201,15 @@ class FoldIntoFollowingConv(RewriteRuleClassBase):
         return op.Conv(*inputs, _outputs=["conv_out"])
 
     def check(self, context, x, weight, bn_out, conv_out, bias=None) -> MatchResult:
-        result = MatchResult()
-        affine = _batch_norm_affine(bn_out)
-        w = _constant(weight)
-        if affine is None or w is None or (bias is not None and _constant(bias) is None):
-            return result.fail("BatchNormalization or Conv parameters are not constant")
+        result = super().check(context, bn_out, weight, bias)
+        if not result:
+            return result
         conv = conv_out.producer()
         pads = conv.attributes.get_ints("pads", [0])
         auto_pad = conv.attributes.get_string("auto_pad", "NOTSET")
         if any(pads) or auto_pad not in ("NOTSET", "VALID"):
             return result.fail("Conv pads its input: padded zeros would bypass the BatchNorm")
-        if w.shape[1] * conv.attributes.get_int("group", 1) != affine[0].size:
+        if _constant(weight).shape[1] * conv.attributes.get_int("group", 1) != _batch_norm_affine(bn_out)[0].size:
             return result.fail("BatchNormalization does not match Conv's input channels")
         return result
 
