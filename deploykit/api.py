@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,13 +16,14 @@ import onnx
 import torch
 
 from deploykit import bundle
-from deploykit.backends.onnxruntime import OnnxRuntimeRunner
+from deploykit.backends.onnxruntime import OnnxRuntimeRunner, OpLibrary, find_op_library
 from deploykit.backends.torch import TorchRunner
 from deploykit.compare import parse_tolerances
 from deploykit.errors import BadInputError, DeployKitError, error_summary
 from deploykit.export import DEFAULT_OPSET, check_program_batch, export_onnx
 from deploykit.feeds import load_feeds, random_feeds
 from deploykit.loading import LoadedModel, count_batch_norms, load_model
+from deploykit.ops import custom_op_types
 from deploykit.passes import op_histogram, run_passes
 from deploykit.report import render_html
 from deploykit.specs import BatchRange, InputSpec
@@ -36,6 +38,7 @@ class ConvertOptions:
     model: Path
     output: Path
     inputs: list[InputSpec] = dataclasses.field(default_factory=list)
+    custom_ops: bool = True
     batch: BatchRange | None = None
     factory: str | None = None
     trust_pickle: bool = False
@@ -80,24 +83,40 @@ def convert(options: ConvertOptions, stage=_no_stage) -> ConvertResult:
             reference.output_names, options.batch, options.opset, options.exporter,
         )
     with stage("Optimizing the graph"):
-        optimized, pass_stats = run_passes(exported.model)
+        optimized, pass_stats = run_passes(exported.model, custom_ops=options.custom_ops)
+    library = OpLibrary(None, "the graph uses no deploykit op")
+    if custom_op_types(optimized):
+        with stage("Building deploykit's op library (cached after the first run)"):
+            library = find_op_library()
     with stage("Validating against PyTorch"):
         feed_sets = _validation_feeds(specs, options)
         tolerances = parse_tolerances(options.tolerances, "fp32", reference.output_names)
-        candidates = {
-            "deploykit graph": OnnxRuntimeRunner(optimized),
-            "plain export": OnnxRuntimeRunner(exported.model),
-        }
-        _check_signature(candidates["deploykit graph"], specs, reference.output_names)
+        candidates = _candidates(exported.model, optimized, library)
+        _check_signature(next(iter(candidates.values())), specs, reference.output_names)
         validations = validate(reference, candidates, feed_sets, tolerances)
-    report = build_report(options, loaded, specs, exported, optimized, pass_stats, validations)
+    report = build_report(options, loaded, specs, exported, optimized, pass_stats, validations, library)
     with stage("Writing the bundle"):
         with bundle.staged_bundle(options.output, options.force) as (staging, manifest):
             onnx.save_model(optimized, staging / "model.onnx")
+            if library.path is not None:
+                shutil.copy2(library.path, staging / library.path.name)
             bundle.write_json(staging / "report.json", report)
             (staging / "report.html").write_text(render_html(report, validations))
             manifest.update(build_manifest(report, optimized))
     return ConvertResult(Path(options.output).absolute(), report, validations)
+
+
+def _candidates(plain: onnx.ModelProto, optimized: onnx.ModelProto, library: OpLibrary) -> dict:
+    """What validation compares with PyTorch; the first is the bundle as it will run."""
+    if library.path is not None:
+        candidates = {
+            "deploykit graph + op library": OnnxRuntimeRunner(optimized, op_library=library.path),
+            "deploykit graph, ONNX functions": OnnxRuntimeRunner(optimized),
+        }
+    else:
+        candidates = {"deploykit graph": OnnxRuntimeRunner(optimized)}
+    candidates["plain export"] = OnnxRuntimeRunner(plain)
+    return candidates
 
 
 def resolve_input_specs(
@@ -207,8 +226,8 @@ def _batch_norm_count(model: onnx.ModelProto) -> int:
     return sum(node.op_type == "BatchNormalization" for node in model.graph.node)
 
 
-def build_report(options, loaded, specs, exported, optimized, pass_stats, validations) -> dict:
-    final, plain = validations
+def build_report(options, loaded, specs, exported, optimized, pass_stats, validations, library) -> dict:
+    final, plain = validations[0], validations[-1]
     failures = final.failures()
     if failures:
         failures.append(
@@ -237,6 +256,11 @@ def build_report(options, loaded, specs, exported, optimized, pass_stats, valida
             "batch": options.batch.to_json() if options.batch else None,
         },
         "export": {"exporter": exported.exporter, "opset": exported.opset},
+        "custom_ops": {
+            "ops": custom_op_types(optimized),
+            "library": library.path.name if library.path else None,
+            "note": library.note,
+        },
         "passes": [s.to_json() for s in pass_stats],
         "graph": {
             "nodes_before": len(exported.model.graph.node),
@@ -278,7 +302,10 @@ def build_manifest(report: dict, model: onnx.ModelProto) -> dict:
         "inputs": inputs,
         "outputs": [_value_info(value) for value in model.graph.output],
         "passes": report["passes"],
-        "custom_op_libraries": [],
+        "custom_op_libraries": [
+            {"file": report["custom_ops"]["library"], "runtime": "onnxruntime", "register": "RegisterCustomOps",
+             "ops": report["custom_ops"]["ops"]}
+        ] if report["custom_ops"]["library"] else [],
         "versions": report["versions"],
         "validation": {
             "passed": report["validation"]["passed"],

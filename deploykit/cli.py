@@ -91,11 +91,13 @@ def main() -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random validation inputs.")
 @click.option("--tolerance", "tolerances", multiple=True, metavar="[OUTPUT:]KEY=VALUE,...",
               help="Override atol, rtol, min_cosine or min_top1, for all outputs or one.")
+@click.option("--no-custom-ops", is_flag=True,
+              help="Write plain ONNX: no deploykit::FusedBatchNorm / MatMulRelu nodes.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks and exporter logs.")
 def convert(model, output, inputs, batch, factory, trust_pickle, exporter, opset, feeds_path,
-            seed, tolerances, force, as_json, verbose):
+            seed, tolerances, no_custom_ops, force, as_json, verbose):
     """Convert MODEL (TorchScript, .pt2, state_dict with --factory) into a validated bundle."""
     from deploykit.api import ConvertOptions, convert as run_convert  # heavy imports after parsing
 
@@ -104,6 +106,7 @@ def convert(model, output, inputs, batch, factory, trust_pickle, exporter, opset
         batch=_parse(BatchRange.parse, batch, "--batch") if batch else None,
         factory=factory, trust_pickle=trust_pickle, exporter=exporter, opset=opset,
         feeds_path=feeds_path, seed=seed, tolerances=list(tolerances), force=force,
+        custom_ops=not no_custom_ops,
     )
     with _handle_errors(verbose):
         result = run_convert(options, stage=_stage_printer(quiet=as_json))
@@ -123,6 +126,9 @@ def _print_summary(result) -> None:
         f"{report['export']['exporter']} exporter (opset {report['export']['opset']}), "
         f"{graph['batch_norm_after']} after deploykit's passes"
     )
+    custom = report["custom_ops"]
+    if custom["ops"]:
+        console.print(f"Custom ops: {', '.join(custom['ops'])}; {custom['note']}")
     for stats in report["passes"]:
         changes = ", ".join(f"{k} {v}" for k, v in stats["changes"].items() if v) or "no change"
         console.print(f"  {stats['name']}: {changes}")
@@ -149,3 +155,17 @@ def _print_summary(result) -> None:
     console.print(f"[bold {colour}]{report['verdict'].upper()}[/]: {report['summary']}")
     console.print(f"Bundle: {result.out_dir}")
     console.print(f"Report: {result.out_dir / 'report.html'}")
+
+
+@main.command("build-plugins")
+@click.option("--force", is_flag=True, help="Rebuild even if a cached build exists.")
+@click.option("--cuda-archs", metavar="LIST", help='GPU architectures, e.g. "80;86;89;90;120" (default).')
+@click.option("-v", "--verbose", is_flag=True, help="Show the CMake and compiler output.")
+def build_plugins(force, cuda_archs, verbose):
+    """Build deploykit's kernels, ONNX Runtime op library and TensorRT plugins (cached)."""
+    from deploykit import native
+
+    with _handle_errors(verbose):
+        build = native.build_plugins(force=force, cuda_architectures=cuda_archs, verbose=verbose)
+    for line in build.summary():
+        console.print(line, soft_wrap=True)

@@ -59,3 +59,24 @@ class TabularNet(nn.Module):
 
 def tabular() -> nn.Module:
     return TabularNet()
+
+
+class TransformerMLP(nn.Module):
+    """Transformer-style feed-forward blocks: Linear -> ReLU -> Linear on (batch, tokens, width)."""
+
+    def __init__(self, width: int = 40, hidden: int = 96, blocks: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, width), nn.ReLU())
+            for _ in range(blocks)
+        )
+        self.head = nn.Linear(width, 7)
+
+    def forward(self, tokens):
+        for block in self.blocks:
+            tokens = tokens + block(tokens)
+        return self.head(tokens)
+
+
+def transformer_mlp() -> nn.Module:
+    return TransformerMLP()

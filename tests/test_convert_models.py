@@ -20,14 +20,15 @@ import model_zoo
 from deploykit.testing import randomize_batch_norm
 
 TESTS = Path(__file__).parent
-# model factory -> (input spec without batch, BatchNormalization nodes that must remain)
+# model factory -> (input spec without batch, deploykit ops the graph must end up with)
 MODELS = {
-    "resnet18": ("x:1x3x67x53", 0),
-    "mobilenet_v3_small": ("x:1x3x67x53", 0),
+    "resnet18": ("x:1x3x67x53", {}),
+    "mobilenet_v3_small": ("x:1x3x67x53", {}),
     # 58 dense layers' norm1 (after a concat), 3 transitions and norm5 follow no weight
-    "densenet121": ("x:1x3x64x57", 62),
-    "decoder": ("x:1x8x7x5", 0),
-    "tabular": ("features:1x13", 0),
+    "densenet121": ("x:1x3x64x57", {"deploykit::FusedBatchNorm": 62}),
+    "decoder": ("x:1x8x7x5", {}),
+    "tabular": ("features:1x13", {"deploykit::MatMulRelu": 1}),
+    "transformer_mlp": ("tokens:1x9x40", {"deploykit::MatMulRelu": 4}),
 }
 # Rules that must fire where the exporter leaves the BatchNorms to us.
 EXPECTED_RULES = {
@@ -63,11 +64,15 @@ def check_bundle(out: Path, input_names: list[str]) -> dict:
     return report
 
 
+def custom_op_counts(report: dict) -> dict[str, int]:
+    return {op["name"]: op["after"] for op in report["graph"]["ops"] if op["name"].startswith("deploykit::")}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_convert_model(tmp_path, name, exporter):
-    spec, remaining_batch_norms = MODELS[name]
+    spec, custom_ops = MODELS[name]
     save_ddp_state_dict(name, tmp_path / "weights.pt")
     result = convert(
         tmp_path, "weights.pt", "--factory", f"model_zoo:{name}", "--input", spec,
@@ -75,10 +80,27 @@ def test_convert_model(tmp_path, name, exporter):
     )
     assert result.returncode == 0, result.stderr
     report = check_bundle(tmp_path / "bundle", [spec.split(":")[0]])
-    assert report["graph"]["batch_norm_after"] == remaining_batch_norms
+    assert report["graph"]["batch_norm_after"] == 0
+    assert custom_op_counts(report) == custom_ops
     fired = {rule for p in report["passes"] if p["name"] == "fold_batch_norm" for rule in p["changes"]}
     assert EXPECTED_RULES.get((name, exporter), set()) <= fired
+    if custom_ops:  # our kernels and the ONNX function fallback were both validated
+        labels = [c["label"] for c in report["validation"]["candidates"]]
+        assert labels == ["deploykit graph + op library", "deploykit graph, ONNX functions", "plain export"]
+        assert (tmp_path / "bundle" / report["custom_ops"]["library"]).exists()
     assert "PASS" in result.stderr and "report.html" in result.stderr
+
+
+def test_no_custom_ops_keeps_plain_onnx(tmp_path):
+    save_ddp_state_dict("densenet121", tmp_path / "weights.pt")
+    result = convert(
+        tmp_path, "weights.pt", "--factory", "model_zoo:densenet121", "--input", "x:2x3x40x40",
+        "--no-custom-ops", "-o", "bundle",
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "bundle" / "report.json").read_text())
+    assert report["graph"]["batch_norm_after"] == 62 and not custom_op_counts(report)
+    assert sorted(p.name for p in (tmp_path / "bundle").iterdir()) == ["manifest.json", "model.onnx", "report.html", "report.json"]
 
 
 def test_sync_batch_norm_checkpoint(tmp_path):

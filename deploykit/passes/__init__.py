@@ -13,17 +13,24 @@ import onnx_ir.passes.common as common_passes
 from deploykit.passes.base import PassStats, op_histogram
 from deploykit.passes.cleanup import fold_constants, remove_dead_code
 from deploykit.passes.fold_bn import fold_batch_norm
+from deploykit.passes.fuse_batch_norm import fuse_batch_norm
+from deploykit.passes.fuse_matmul_relu import fuse_matmul_relu
 
-#: The default pipeline. Constant folding first exposes constant BN parameters and weights.
-DEFAULT_PASSES = (fold_constants, fold_batch_norm, remove_dead_code)
+#: Constant folding first exposes constant weights; fusions take what folding left.
+STANDARD_PASSES = (fold_constants, fold_batch_norm, remove_dead_code)
+CUSTOM_OP_PASSES = (fold_constants, fold_batch_norm, fuse_batch_norm, fuse_matmul_relu, remove_dead_code)
+#: Function overloads (one body per FusedBatchNorm activation) need IR version 10.
+_IR_VERSION_WITH_OVERLOADS = 10
 
 
-def run_passes(model: onnx.ModelProto, passes=DEFAULT_PASSES) -> tuple[onnx.ModelProto, list[PassStats]]:
+def run_passes(model: onnx.ModelProto, custom_ops: bool = True) -> tuple[onnx.ModelProto, list[PassStats]]:
     ir_model = ir.serde.deserialize_model(model)
     # Folding into MatMul needs input ranks: infer shapes the exporter did not record.
     common_passes.ShapeInferencePass()(ir_model)
-    stats = [run(ir_model) for run in passes]
+    stats = [run(ir_model) for run in (CUSTOM_OP_PASSES if custom_ops else STANDARD_PASSES)]
+    if ir_model.functions:
+        ir_model.ir_version = max(ir_model.ir_version, _IR_VERSION_WITH_OVERLOADS)
     return ir.serde.serialize_model(ir_model), stats
 
 
-__all__ = ["DEFAULT_PASSES", "PassStats", "op_histogram", "run_passes"]
+__all__ = ["CUSTOM_OP_PASSES", "STANDARD_PASSES", "PassStats", "op_histogram", "run_passes"]

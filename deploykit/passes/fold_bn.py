@@ -19,18 +19,18 @@ from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleClassBase, 
 from deploykit.passes.base import PassStats, count_nodes
 
 
-def _constant(value: ir.Value | None) -> np.ndarray | None:
+def constant_array(value: ir.Value | None) -> np.ndarray | None:
     if value is None or value.const_value is None or value.is_graph_input():
         return None
     return value.const_value.numpy()
 
 
-def _batch_norm_affine(bn_out: ir.Value) -> tuple[np.ndarray, np.ndarray] | None:
+def batch_norm_affine(bn_out: ir.Value) -> tuple[np.ndarray, np.ndarray] | None:
     """Per-channel ``(s, t)`` in float64, or None if the BN is not a constant inference BN."""
     node = bn_out.producer()
     if len(node.outputs) != 1 or node.attributes.get_int("training_mode", 0):
         return None
-    params = [_constant(v) for v in node.inputs[1:5]]
+    params = [constant_array(v) for v in node.inputs[1:5]]
     if any(p is None for p in params):
         return None
     gamma, beta, mean, var = (p.astype(np.float64) for p in params)
@@ -47,11 +47,11 @@ class _FoldRule(RewriteRuleClassBase):
 
     def check(self, context, bn_out, weight, bias=None, **_) -> MatchResult:
         result = MatchResult()
-        if _batch_norm_affine(bn_out) is None:
+        if batch_norm_affine(bn_out) is None:
             return result.fail("BatchNormalization is not constant and in inference mode")
-        if _constant(weight) is None:
+        if constant_array(weight) is None:
             return result.fail("weight is not a constant")
-        if bias is not None and _constant(bias) is None:
+        if bias is not None and constant_array(bias) is None:
             return result.fail("bias is not a constant")
         return result
 
@@ -70,12 +70,12 @@ class FoldIntoConv(_FoldRule):
 
     def check(self, context, x, weight, conv_out, bn_out, bias=None) -> MatchResult:
         result = super().check(context, bn_out, weight, bias)
-        if result and _batch_norm_affine(bn_out)[0].size != self._out_channels(conv_out, weight):
+        if result and batch_norm_affine(bn_out)[0].size != self._out_channels(conv_out, weight):
             return result.fail("BatchNormalization does not match the output channels")
         return result
 
     def _out_channels(self, conv_out, weight) -> int:
-        shape = _constant(weight).shape
+        shape = constant_array(weight).shape
         if self.op_type == "Conv":
             return shape[0]
         return shape[1] * conv_out.producer().attributes.get_int("group", 1)
@@ -89,9 +89,9 @@ class FoldIntoConv(_FoldRule):
         return per_group
 
     def rewrite(self, op, x, weight, conv_out, bn_out, bias=None):
-        scale, shift = _batch_norm_affine(bn_out)
+        scale, shift = batch_norm_affine(bn_out)
         conv = conv_out.producer()
-        w = _constant(weight)
+        w = constant_array(weight)
         group = conv.attributes.get_int("group", 1)
         factor = self._output_channel_view(w, group, scale)
         if self.op_type == "Conv":
@@ -99,7 +99,7 @@ class FoldIntoConv(_FoldRule):
         else:
             grouped = w.reshape(group, w.shape[0] // group, *w.shape[1:])
             new_w = (grouped * factor).reshape(w.shape)
-        b = _constant(bias) if bias is not None else np.zeros_like(scale)
+        b = constant_array(bias) if bias is not None else np.zeros_like(scale)
         new_b = b * scale + shift
         return op.op(
             self.op_type, x,
@@ -125,19 +125,19 @@ class FoldIntoGemm(_FoldRule):
         result = super().check(context, bn_out, weight, bias)
         if result:
             trans_b = gemm_out.producer().attributes.get_int("transB", 0)
-            columns = _constant(weight).shape[0 if trans_b else 1]
-            if _batch_norm_affine(bn_out)[0].size != columns:
+            columns = constant_array(weight).shape[0 if trans_b else 1]
+            if batch_norm_affine(bn_out)[0].size != columns:
                 return result.fail("BatchNormalization does not match Gemm's output width")
         return result
 
     def rewrite(self, op, x, weight, gemm_out, bn_out, bias=None):
-        scale, shift = _batch_norm_affine(bn_out)
+        scale, shift = batch_norm_affine(bn_out)
         gemm = gemm_out.producer()
-        w = _constant(weight)
+        w = constant_array(weight)
         trans_b = gemm.attributes.get_int("transB", 0)
         new_w = w * (scale[:, None] if trans_b else scale[None, :])
         beta = gemm.attributes.get_float("beta", 1.0)
-        c = _constant(bias) if bias is not None else np.zeros(1, dtype=w.dtype)
+        c = constant_array(bias) if bias is not None else np.zeros(1, dtype=w.dtype)
         new_c = beta * c.astype(np.float64) * scale + shift
         attributes = {k: v for k, v in gemm.attributes.items() if k != "beta"}
         return op.Gemm(
@@ -171,18 +171,18 @@ class FoldIntoMatMul(_FoldRule):
             return result
         if x.shape is None or len(x.shape) != 2:
             return result.fail("MatMul input is not known to be 2-D")
-        w = _constant(weight)
-        width = _batch_norm_affine(bn_out)[0].size
+        w = constant_array(weight)
+        width = batch_norm_affine(bn_out)[0].size
         if w.ndim != 2 or w.shape[1] != width:
             return result.fail("MatMul weight is not 2-D with BatchNormalization's width")
-        if bias is not None and _constant(bias).size not in (1, width):
+        if bias is not None and constant_array(bias).size not in (1, width):
             return result.fail("Add's constant does not broadcast over the feature axis only")
         return result
 
     def rewrite(self, op, x, weight, matmul_out, bn_out, bias=None):
-        scale, shift = _batch_norm_affine(bn_out)
-        w = _constant(weight)
-        b = _constant(bias).reshape(-1) if bias is not None else np.zeros(1, dtype=w.dtype)
+        scale, shift = batch_norm_affine(bn_out)
+        w = constant_array(weight)
+        b = constant_array(bias).reshape(-1) if bias is not None else np.zeros(1, dtype=w.dtype)
         new_w = _new_initializer(op, w * scale[None, :], w, f"{bn_out.name}_folded_weight")
         new_b = _new_initializer(op, b * scale + shift, w, f"{bn_out.name}_folded_bias")
         return op.Add(op.MatMul(x, new_w), new_b)
@@ -209,21 +209,21 @@ class FoldIntoFollowingConv(_FoldRule):
         auto_pad = conv.attributes.get_string("auto_pad", "NOTSET")
         if any(pads) or auto_pad not in ("NOTSET", "VALID"):
             return result.fail("Conv pads its input: padded zeros would bypass the BatchNorm")
-        if _constant(weight).shape[1] * conv.attributes.get_int("group", 1) != _batch_norm_affine(bn_out)[0].size:
+        if constant_array(weight).shape[1] * conv.attributes.get_int("group", 1) != batch_norm_affine(bn_out)[0].size:
             return result.fail("BatchNormalization does not match Conv's input channels")
         return result
 
     def rewrite(self, op, x, weight, bn_out, conv_out, bias=None):
-        scale, shift = _batch_norm_affine(bn_out)
+        scale, shift = batch_norm_affine(bn_out)
         conv = conv_out.producer()
-        w = _constant(weight)
+        w = constant_array(weight)
         group = conv.attributes.get_int("group", 1)
         out_per_group, in_per_group = w.shape[0] // group, w.shape[1]
         # Input channel of w[o, i] is (o // out_per_group) * in_per_group + i.
         channel = (np.arange(w.shape[0])[:, None] // out_per_group) * in_per_group + np.arange(in_per_group)
         spatial = (1,) * (w.ndim - 2)
         new_w = w * scale[channel].reshape(*channel.shape, *spatial)
-        b = _constant(bias) if bias is not None else np.zeros(w.shape[0], dtype=w.dtype)
+        b = constant_array(bias) if bias is not None else np.zeros(w.shape[0], dtype=w.dtype)
         new_b = b + (w * shift[channel].reshape(*channel.shape, *spatial)).sum(axis=tuple(range(1, w.ndim)))
         return op.Conv(
             x,
