@@ -1,8 +1,7 @@
 """FusedBatchNorm(X, scale, bias; activation): ``act(X * scale[c] + bias[c])`` on channel axis 1.
 
-The activation selects the function body, so each activation is a function *overload*
-(``FunctionProto.overload``; the node carries the same overload and the ``activation``
-attribute that kernels and plugins read).
+The activation selects the function body; a model carries the body of the one
+activation its FusedBatchNorm nodes use (see deploykit/passes/fuse_batch_norm.py).
 """
 
 from __future__ import annotations
@@ -48,7 +47,6 @@ def function(activation: str, opset: int):
         DOMAIN, OP_TYPE, ["X", "scale", "bias"], ["Y"], nodes,
         [helper.make_opsetid("", opset)], attributes=["activation"],
     )
-    proto.overload = activation
     return function_from_proto(proto)
 
 

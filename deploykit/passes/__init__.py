@@ -19,8 +19,6 @@ from deploykit.passes.fuse_matmul_relu import fuse_matmul_relu
 #: Constant folding first exposes constant weights; fusions take what folding left.
 STANDARD_PASSES = (fold_constants, fold_batch_norm, remove_dead_code)
 CUSTOM_OP_PASSES = (fold_constants, fold_batch_norm, fuse_batch_norm, fuse_matmul_relu, remove_dead_code)
-#: Function overloads (one body per FusedBatchNorm activation) need IR version 10.
-_IR_VERSION_WITH_OVERLOADS = 10
 
 
 def run_passes(model: onnx.ModelProto, custom_ops: bool = True) -> tuple[onnx.ModelProto, list[PassStats]]:
@@ -28,8 +26,6 @@ def run_passes(model: onnx.ModelProto, custom_ops: bool = True) -> tuple[onnx.Mo
     # Folding into MatMul needs input ranks: infer shapes the exporter did not record.
     common_passes.ShapeInferencePass()(ir_model)
     stats = [run(ir_model) for run in (CUSTOM_OP_PASSES if custom_ops else STANDARD_PASSES)]
-    if ir_model.functions:
-        ir_model.ir_version = max(ir_model.ir_version, _IR_VERSION_WITH_OVERLOADS)
     return ir.serde.serialize_model(ir_model), stats
 
 

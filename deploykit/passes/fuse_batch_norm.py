@@ -3,11 +3,15 @@
 Runs after ``fold_batch_norm``: what is left follows an Add, a Concat or a pooling
 (DenseNet, pre-activation ResNets). ``Relu(BN(x))`` becomes one node with
 ``activation="relu"``, so the whole pattern is one read and one write of the tensor.
+
+A model holds one FusedBatchNorm function, so all its FusedBatchNorm nodes share one
+activation: TensorRT's parser looks functions up by name alone (it ignores ONNX function
+overloads), so a second body for the other activation would be inlined wrongly. When a
+model has both kinds, the BatchNorms without a Relu stay standard BatchNormalization.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 
@@ -41,17 +45,17 @@ class _FuseBatchNorm(RewriteRuleClassBase):
             op.initializer(ir.tensor(shift.astype(dtype)), name=f"{bn_out.name}_fused_bias"),
             _domain=ops.DOMAIN, activation=self.activation,
         )
-        fused.producer().overload = self.activation
         return fused
 
 
 def fuse_batch_norm(model: ir.Model) -> PassStats:
     nodes_before = count_nodes(model)
     changes = {}
-    opset = model.opset_imports.get("", 18)
     for activation in ("relu", "none"):  # relu first: a lone BN must not take its Relu's match
+        if changes:
+            break  # one activation per model; see the module docstring
         count = RewriteRuleSet([_FuseBatchNorm.rule(activation)]).apply_to_model(model)
         if count:
             changes[f"fused_batch_norm_{activation}"] = count
-            ops.ensure_function(model, fused_batch_norm.function(activation, opset))
+            ops.ensure_function(model, fused_batch_norm.function(activation, model.opset_imports.get("", 18)))
     return PassStats("fuse_batch_norm", changes, nodes_before, count_nodes(model))
