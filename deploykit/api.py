@@ -19,6 +19,7 @@ from deploykit import bundle
 from deploykit.backends.onnxruntime import OnnxRuntimeRunner, OpLibrary, find_op_library
 from deploykit.backends.torch import TorchRunner
 from deploykit.compare import parse_tolerances
+from deploykit.engines import build_tensorrt_stage
 from deploykit.errors import BadInputError, DeployKitError, error_summary
 from deploykit.export import DEFAULT_OPSET, check_program_batch, export_onnx
 from deploykit.feeds import load_feeds, random_feeds
@@ -39,6 +40,9 @@ class ConvertOptions:
     output: Path
     inputs: list[InputSpec] = dataclasses.field(default_factory=list)
     custom_ops: bool = True
+    backend: str = "onnxruntime"
+    trt_targets: list[str] | None = None
+    trt_workspace_bytes: int | None = None
     batch: BatchRange | None = None
     factory: str | None = None
     trust_pickle: bool = False
@@ -88,33 +92,42 @@ def convert(options: ConvertOptions, stage=_no_stage) -> ConvertResult:
     if custom_op_types(optimized):
         with stage("Building deploykit's op library (cached after the first run)"):
             library = find_op_library()
+    engine = None
+    if options.backend in ("tensorrt", "all"):
+        with stage("Building the TensorRT engine"):
+            engine = build_tensorrt_stage(
+                optimized, specs, options.batch, options.trt_targets, options.trt_workspace_bytes
+            )
     with stage("Validating against PyTorch"):
         feed_sets = _validation_feeds(specs, options)
         tolerances = parse_tolerances(options.tolerances, "fp32", reference.output_names)
-        candidates = _candidates(exported.model, optimized, library)
-        _check_signature(next(iter(candidates.values())), specs, reference.output_names)
+        candidates = _candidates(exported.model, optimized, library, engine)
+        _check_signature(candidates[_first_onnx_label(candidates)], specs, reference.output_names)
         validations = validate(reference, candidates, feed_sets, tolerances)
-    report = build_report(options, loaded, specs, exported, optimized, pass_stats, validations, library)
+    report = build_report(options, loaded, specs, exported, optimized, pass_stats, validations, library, engine)
     with stage("Writing the bundle"):
         with bundle.staged_bundle(options.output, options.force) as (staging, manifest):
             onnx.save_model(optimized, staging / "model.onnx")
             if library.path is not None:
                 shutil.copy2(library.path, staging / library.path.name)
+            if engine is not None:
+                (staging / engine.file_name).write_bytes(engine.build.engine)
             bundle.write_json(staging / "report.json", report)
             (staging / "report.html").write_text(render_html(report, validations))
             manifest.update(build_manifest(report, optimized))
     return ConvertResult(Path(options.output).absolute(), report, validations)
 
 
-def _candidates(plain: onnx.ModelProto, optimized: onnx.ModelProto, library: OpLibrary) -> dict:
+def _candidates(plain: onnx.ModelProto, optimized: onnx.ModelProto, library: OpLibrary, engine) -> dict:
     """What validation compares with PyTorch; the first is the bundle as it will run."""
+    candidates = {}
+    if engine is not None and engine.runner is not None:
+        candidates["tensorrt engine"] = engine.runner
     if library.path is not None:
-        candidates = {
-            "deploykit graph + op library": OnnxRuntimeRunner(optimized, op_library=library.path),
-            "deploykit graph, ONNX functions": OnnxRuntimeRunner(optimized),
-        }
+        candidates["deploykit graph + op library"] = OnnxRuntimeRunner(optimized, op_library=library.path)
+        candidates["deploykit graph, ONNX functions"] = OnnxRuntimeRunner(optimized)
     else:
-        candidates = {"deploykit graph": OnnxRuntimeRunner(optimized)}
+        candidates["deploykit graph"] = OnnxRuntimeRunner(optimized)
     candidates["plain export"] = OnnxRuntimeRunner(plain)
     return candidates
 
@@ -199,6 +212,10 @@ def _validation_feeds(specs: list[InputSpec], options: ConvertOptions) -> list[d
     ]
 
 
+def _first_onnx_label(candidates: dict) -> str:
+    return next(label for label, runner in candidates.items() if isinstance(runner, OnnxRuntimeRunner))
+
+
 def _check_signature(runner: OnnxRuntimeRunner, specs: list[InputSpec], output_names: list[str]) -> None:
     onnx_inputs = [i.name for i in runner.session.get_inputs()]
     if onnx_inputs != [spec.name for spec in specs] or runner.output_names != output_names:
@@ -226,7 +243,7 @@ def _batch_norm_count(model: onnx.ModelProto) -> int:
     return sum(node.op_type == "BatchNormalization" for node in model.graph.node)
 
 
-def build_report(options, loaded, specs, exported, optimized, pass_stats, validations, library) -> dict:
+def build_report(options, loaded, specs, exported, optimized, pass_stats, validations, library, engine=None) -> dict:
     final, plain = validations[0], validations[-1]
     failures = final.failures()
     if failures:
@@ -256,6 +273,7 @@ def build_report(options, loaded, specs, exported, optimized, pass_stats, valida
             "batch": options.batch.to_json() if options.batch else None,
         },
         "export": {"exporter": exported.exporter, "opset": exported.opset},
+        "engines": [engine.to_json()] if engine else [],
         "custom_ops": {
             "ops": custom_op_types(optimized),
             "library": library.path.name if library.path else None,
@@ -302,6 +320,7 @@ def build_manifest(report: dict, model: onnx.ModelProto) -> dict:
         "inputs": inputs,
         "outputs": [_value_info(value) for value in model.graph.output],
         "passes": report["passes"],
+        "engines": report["engines"],
         "custom_op_libraries": [
             {"file": report["custom_ops"]["library"], "runtime": "onnxruntime", "register": "RegisterCustomOps",
              "ops": report["custom_ops"]["ops"]}

@@ -93,11 +93,15 @@ def main() -> None:
               help="Override atol, rtol, min_cosine or min_top1, for all outputs or one.")
 @click.option("--no-custom-ops", is_flag=True,
               help="Write plain ONNX: no deploykit::FusedBatchNorm / MatMulRelu nodes.")
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "all"]), default="onnxruntime",
+              show_default=True, help="tensorrt/all also build a TensorRT engine (TensorRT or TensorRT-RTX).")
+@click.option("--trt-targets", metavar="CC,CC", help="TensorRT-RTX compute capabilities, e.g. 8.6,8.9,12.0.")
+@click.option("--trt-workspace", type=click.IntRange(min=1), metavar="MIB", help="TensorRT workspace limit in MiB.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks and exporter logs.")
 def convert(model, output, inputs, batch, factory, trust_pickle, exporter, opset, feeds_path,
-            seed, tolerances, no_custom_ops, force, as_json, verbose):
+            seed, tolerances, no_custom_ops, backend, trt_targets, trt_workspace, force, as_json, verbose):
     """Convert MODEL (TorchScript, .pt2, state_dict with --factory) into a validated bundle."""
     from deploykit.api import ConvertOptions, convert as run_convert  # heavy imports after parsing
 
@@ -106,7 +110,9 @@ def convert(model, output, inputs, batch, factory, trust_pickle, exporter, opset
         batch=_parse(BatchRange.parse, batch, "--batch") if batch else None,
         factory=factory, trust_pickle=trust_pickle, exporter=exporter, opset=opset,
         feeds_path=feeds_path, seed=seed, tolerances=list(tolerances), force=force,
-        custom_ops=not no_custom_ops,
+        custom_ops=not no_custom_ops, backend=backend,
+        trt_targets=[t.strip() for t in trt_targets.split(",")] if trt_targets else None,
+        trt_workspace_bytes=trt_workspace << 20 if trt_workspace else None,
     )
     with _handle_errors(verbose):
         result = run_convert(options, stage=_stage_printer(quiet=as_json))
@@ -129,6 +135,12 @@ def _print_summary(result) -> None:
     custom = report["custom_ops"]
     if custom["ops"]:
         console.print(f"Custom ops: {', '.join(custom['ops'])}; {custom['note']}")
+    for engine in report["engines"]:
+        console.print(
+            f"Engine: {engine['file']} ({engine['flavour']} {engine['version']}, targets "
+            f"{', '.join(engine['targets'])}, {engine['plugin_layers']} deploykit plugin layers); {engine['note']}",
+            soft_wrap=True,
+        )
     for stats in report["passes"]:
         changes = ", ".join(f"{k} {v}" for k, v in stats["changes"].items() if v) or "no change"
         console.print(f"  {stats['name']}: {changes}")

@@ -6,6 +6,7 @@ BatchNorm statistics, saved the way DDP saves it (``module.`` prefixes).
 
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -40,7 +41,7 @@ EXPECTED_RULES = {
 
 def convert(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "deploykit", "convert", *args]
-    env = {"PYTHONPATH": str(TESTS), "PATH": "/usr/bin:/bin", "COLUMNS": "120"}
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "COLUMNS": "120"}
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
 
 

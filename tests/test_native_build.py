@@ -1,0 +1,24 @@
+"""The native build CI runs: every CUDA source compiles for every GPU we ship to, and the
+three libraries (kernels, ONNX Runtime op library, TensorRT plugins) come out of one build."""
+
+import shutil
+
+import pytest
+
+from deploykit import native
+
+SHIPPED_ARCHITECTURES = ("80", "86", "89", "90", "120")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit)")
+def test_default_build_compiles_cuda_for_every_shipped_architecture(monkeypatch):
+    monkeypatch.delenv("DEPLOYKIT_CUDA_ARCHS", raising=False)
+    build = native.build_plugins()
+    assert build.cuda, build.disabled
+    libraries = {"onnxruntime": build.ort_library, "tensorrt": build.tensorrt_library, "kernels": build.kernels_library}
+    assert all(libraries.values()), build.disabled
+    for name, path in libraries.items():
+        image = path.read_bytes()
+        found = [arch for arch in SHIPPED_ARCHITECTURES if f"sm_{arch}".encode() in image]
+        assert found == list(SHIPPED_ARCHITECTURES), f"{name}: device code only for {found}"
+        assert b"sm_75" not in image  # the search tells architectures apart
