@@ -61,6 +61,12 @@ def export_onnx(
         raise
     except Exception as error:
         raise _describe_export_failure(error, chosen) from error
+    written = next(entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx"))
+    if written != opset:
+        raise BadInputError(
+            f"the {chosen} exporter wrote opset {written}, not the requested {opset}; "
+            f"use --opset {written}" + (" or --exporter torchscript" if chosen == "dynamo" else "")
+        )
     # Declare the oldest IR version that holds this opset, so older runtimes read the file.
     model.ir_version = min(model.ir_version, onnx.helper.find_min_ir_version_for(model.opset_import))
     return ExportResult(model, chosen, opset, log.getvalue())

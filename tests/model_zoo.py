@@ -80,3 +80,20 @@ class TransformerMLP(nn.Module):
 
 def transformer_mlp() -> nn.Module:
     return TransformerMLP()
+
+
+class ImageAndTokens(nn.Module):
+    """Two inputs of different dtypes: an image branch (Conv -> BN) and a token embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.image = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.tokens = nn.Embedding(8, 8)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, image, ids):
+        return self.head(torch.cat([self.image(image), self.tokens(ids).mean(1)], dim=1))
+
+
+def image_and_tokens() -> nn.Module:
+    return ImageAndTokens()

@@ -162,3 +162,20 @@ def test_validation_failure_names_output_and_tolerance(tmp_path):
     suggested = re.search(r"atol=([0-9.e+-]+) would pass", result.stderr).group(1)
     rerun = convert(tmp_path, "model.pt2", "--tolerance", f"atol={suggested},rtol=0,min_cosine=0.99", "-o", "again")
     assert rerun.returncode == 0, rerun.stderr
+
+
+def test_two_inputs_with_dtypes_and_opset(tmp_path):
+    """Several --input options (one int64), declared in any order, and an explicit --opset."""
+    save_ddp_state_dict("image_and_tokens", tmp_path / "weights.pt")
+    args = ["weights.pt", "--factory", "model_zoo:image_and_tokens", "--input", "ids:1x6:int64",
+            "--input", "image:1x3x15x11", "--batch", "1:3:4", "--opset", "17", "-o", "bundle"]
+    refused = convert(tmp_path, *args)  # the dynamo exporter writes opset 18 at least
+    assert refused.returncode == 2 and "not the requested 17" in refused.stderr
+    result = convert(tmp_path, *args, "--exporter", "torchscript")
+    assert result.returncode == 0, result.stderr
+    check_bundle(tmp_path / "bundle", ["image", "ids"])
+    manifest = json.loads((tmp_path / "bundle" / "manifest.json").read_text())
+    assert [(i["name"], i["dtype"]) for i in manifest["inputs"]] == [("image", "float32"), ("ids", "int64")]
+    assert manifest["opset"] == 17
+    model = onnx.load(tmp_path / "bundle" / "model.onnx")
+    assert {o.domain: o.version for o in model.opset_import}[""] == 17
