@@ -19,6 +19,7 @@ from deploykit import bundle
 from deploykit.backends.onnxruntime import OnnxRuntimeRunner, OpLibrary, find_op_library
 from deploykit.backends.torch import TorchRunner
 from deploykit.compare import parse_tolerances
+from deploykit.debug import REFERENCE_MODEL, PrecisionStage
 from deploykit.engines import build_tensorrt_stage
 from deploykit.errors import BadInputError, DeployKitError, error_summary
 from deploykit.export import DEFAULT_OPSET, check_program_batch, export_onnx
@@ -26,6 +27,7 @@ from deploykit.feeds import load_feeds, random_feeds
 from deploykit.loading import LoadedModel, count_batch_norms, load_model
 from deploykit.ops import custom_op_types
 from deploykit.passes import op_histogram, run_passes
+from deploykit.passes.precision import check_precision
 from deploykit.report import render_html
 from deploykit.specs import BatchRange, InputSpec
 from deploykit.validate import CandidateValidation, validate
@@ -52,6 +54,9 @@ class ConvertOptions:
     seed: int = 0
     tolerances: list[str] = dataclasses.field(default_factory=list)
     force: bool = False
+    precision: str = "fp32"  # fp16/bf16: docs/precision.md
+    io_precision: str | None = None  # None: inputs and outputs keep their declared types
+    auto_fix: bool = False  # pin the nodes that break reduced-precision validation to fp32
 
 
 @dataclasses.dataclass
@@ -72,6 +77,7 @@ def _no_stage(_title: str):
 def convert(options: ConvertOptions, stage=_no_stage) -> ConvertResult:
     """Convert, validate and bundle a model. ``stage(title)`` wraps each step (progress display)."""
     bundle.check_destination(Path(options.output).absolute(), options.force)
+    check_precision(options.precision, options.io_precision, options.auto_fix)
     with stage("Loading the model"):
         loaded = load_model(options.model, options.factory, options.trust_pickle)
         if loaded.program is not None:
@@ -88,6 +94,12 @@ def convert(options: ConvertOptions, stage=_no_stage) -> ConvertResult:
         )
     with stage("Optimizing the graph"):
         optimized, pass_stats = run_passes(exported.model, custom_ops=options.custom_ops)
+    precision = None
+    if options.precision != "fp32":
+        with stage(f"Writing {options.precision} into the graph"):
+            precision = PrecisionStage.start(optimized, options.precision, options.io_precision, example)
+            optimized = precision.model
+            pass_stats.append(precision.result.stats)
     library = OpLibrary(None, "the graph uses no deploykit op")
     if custom_op_types(optimized):
         with stage("Building deploykit's op library (cached after the first run)"):
@@ -96,18 +108,30 @@ def convert(options: ConvertOptions, stage=_no_stage) -> ConvertResult:
     if options.backend in ("tensorrt", "all"):
         with stage("Building the TensorRT engine"):
             engine = build_tensorrt_stage(
-                optimized, specs, options.batch, options.trt_targets, options.trt_workspace_bytes
+                optimized, specs, options.batch, options.trt_targets, options.trt_workspace_bytes, options.precision
             )
     with stage("Validating against PyTorch"):
         feed_sets = _validation_feeds(specs, options)
-        tolerances = parse_tolerances(options.tolerances, "fp32", reference.output_names)
-        candidates = _candidates(exported.model, optimized, library, engine)
+        tolerances = parse_tolerances(options.tolerances, options.precision, reference.output_names)
+        candidates = _candidates(exported.model, optimized, library, engine, precision)
         _check_signature(candidates[_first_onnx_label(candidates)], specs, reference.output_names)
         validations = validate(reference, candidates, feed_sets, tolerances)
-    report = build_report(options, loaded, specs, exported, optimized, pass_stats, validations, library, engine)
+    if precision is not None and options.auto_fix and not all(v.passed for v in validations[:-1]):
+        with stage("Pinning the nodes that diverge to fp32 (--auto-fix)"):
+            optimized = precision.auto_fix(reference, feed_sets, validations[0], tolerances, library.path)
+            pass_stats[-1] = precision.result.stats
+            if engine is not None:
+                engine = build_tensorrt_stage(optimized, specs, options.batch, options.trt_targets,
+                                              options.trt_workspace_bytes, options.precision)
+            candidates = _candidates(exported.model, optimized, library, engine, precision)
+            validations = validate(reference, candidates, feed_sets, tolerances)
+    report = build_report(options, loaded, specs, exported, optimized, pass_stats, validations, library, engine,
+                          precision)
     with stage("Writing the bundle"):
         with bundle.staged_bundle(options.output, options.force) as (staging, manifest):
             onnx.save_model(optimized, staging / "model.onnx")
+            if precision is not None:
+                onnx.save_model(precision.fp32, staging / REFERENCE_MODEL)
             if library.path is not None:
                 shutil.copy2(library.path, staging / library.path.name)
             if engine is not None:
@@ -118,12 +142,15 @@ def convert(options: ConvertOptions, stage=_no_stage) -> ConvertResult:
     return ConvertResult(Path(options.output).absolute(), report, validations)
 
 
-def _candidates(plain: onnx.ModelProto, optimized: onnx.ModelProto, library: OpLibrary, engine) -> dict:
+def _candidates(plain: onnx.ModelProto, optimized: onnx.ModelProto, library: OpLibrary, engine,
+                precision: PrecisionStage | None = None) -> dict:
     """What validation compares with PyTorch; the first is the bundle as it will run."""
     candidates = {}
     if engine is not None and engine.runner is not None:
         candidates["tensorrt engine"] = engine.runner
-    if library.path is not None:
+    if precision is not None:
+        candidates.update(precision.candidates(library.path))
+    elif library.path is not None:
         candidates["deploykit graph + op library"] = OnnxRuntimeRunner(optimized, op_library=library.path)
         candidates["deploykit graph, ONNX functions"] = OnnxRuntimeRunner(optimized)
     else:
@@ -243,7 +270,8 @@ def _batch_norm_count(model: onnx.ModelProto) -> int:
     return sum(node.op_type == "BatchNormalization" for node in model.graph.node)
 
 
-def build_report(options, loaded, specs, exported, optimized, pass_stats, validations, library, engine=None) -> dict:
+def build_report(options, loaded, specs, exported, optimized, pass_stats, validations, library, engine=None,
+                 precision: PrecisionStage | None = None) -> dict:
     # Everything the bundle ships must pass; the plain export only tells where a failure came from.
     shipped, plain = validations[:-1], validations[-1]
     final = shipped[0]
@@ -254,6 +282,8 @@ def build_report(options, loaded, specs, exported, optimized, pass_stats, valida
         failures.append(
             "the plain export fails as well, so the exporter (not deploykit's passes) lost accuracy"
             if not plain.passed else
+            f"the fp32 export passes, so {options.precision} lost the accuracy: deploykit debug BUNDLE names the "
+            "nodes, convert --auto-fix pins them to fp32" if precision is not None else
             "the plain export passes, so a deploykit pass changed the results: please report this"
         )
     worst = max((o.metrics.get("max_abs", float("inf")) for r in final.runs for o in r.outputs), default=0.0)
@@ -284,6 +314,7 @@ def build_report(options, loaded, specs, exported, optimized, pass_stats, valida
             "note": library.note,
         },
         "passes": [s.to_json() for s in pass_stats],
+        "precision": precision.to_json() if precision is not None else {"precision": "fp32"},
         "graph": {
             "nodes_before": len(exported.model.graph.node),
             "nodes_after": len(optimized.graph.node),
@@ -317,8 +348,10 @@ def build_manifest(report: dict, model: onnx.ModelProto) -> dict:
         "created": report["created"],
         "source": report["model"]["source"],
         "model": "model.onnx",
-        "precision": "fp32",
-        "opset": report["export"]["opset"],
+        "precision": report["precision"]["precision"],
+        "reference_model": report["precision"].get("reference_model"),
+        "opset": next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")),
+                      report["export"]["opset"]),  # bf16 graphs move to opset 22
         "ir_version": model.ir_version,
         "exporter": report["export"]["exporter"],
         "inputs": inputs,

@@ -14,6 +14,8 @@ from rich.console import Console
 from rich.table import Table
 
 from deploykit import errors
+from deploykit.cli_debug import debug
+from deploykit.cli_runtime import bench, doctor, profile, run
 from deploykit.specs import BatchRange, InputSpec
 
 console = Console(stderr=True, highlight=False)
@@ -91,6 +93,11 @@ def main() -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random validation inputs.")
 @click.option("--tolerance", "tolerances", multiple=True, metavar="[OUTPUT:]KEY=VALUE,...",
               help="Override atol, rtol, min_cosine or min_top1, for all outputs or one.")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
+              help="Write this precision into the graph; sensitive nodes stay fp32 (docs/precision.md).")
+@click.option("--io-precision", type=click.Choice(["fp32", "fp16", "bf16"]),
+              help="Type of the float inputs and outputs (default: as declared).")
+@click.option("--auto-fix", is_flag=True, help="If validation fails, pin the nodes that diverge to fp32 and retry.")
 @click.option("--no-custom-ops", is_flag=True,
               help="Write plain ONNX: no deploykit::FusedBatchNorm / MatMulRelu nodes.")
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "all"]), default="onnxruntime",
@@ -100,8 +107,8 @@ def main() -> None:
 @click.option("--force", is_flag=True, help="Replace an existing bundle.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks and exporter logs.")
-def convert(model, output, inputs, batch, factory, trust_pickle, exporter, opset, feeds_path,
-            seed, tolerances, no_custom_ops, backend, trt_targets, trt_workspace, force, as_json, verbose):
+def convert(model, output, inputs, batch, factory, trust_pickle, exporter, opset, feeds_path, seed, tolerances,
+            precision, io_precision, auto_fix, no_custom_ops, backend, trt_targets, trt_workspace, force, as_json, verbose):
     """Convert MODEL (TorchScript, .pt2, state_dict with --factory) into a validated bundle."""
     from deploykit.api import ConvertOptions, convert as run_convert  # heavy imports after parsing
 
@@ -111,6 +118,7 @@ def convert(model, output, inputs, batch, factory, trust_pickle, exporter, opset
         factory=factory, trust_pickle=trust_pickle, exporter=exporter, opset=opset,
         feeds_path=feeds_path, seed=seed, tolerances=list(tolerances), force=force,
         custom_ops=not no_custom_ops, backend=backend,
+        precision=precision, io_precision=io_precision, auto_fix=auto_fix,
         trt_targets=[t.strip() for t in trt_targets.split(",")] if trt_targets else None,
         trt_workspace_bytes=trt_workspace << 20 if trt_workspace else None,
     )
@@ -144,6 +152,9 @@ def _print_summary(result) -> None:
     for stats in report["passes"]:
         changes = ", ".join(f"{k} {v}" for k, v in stats["changes"].items() if v) or "no change"
         console.print(f"  {stats['name']}: {changes}")
+    from deploykit.cli_debug import precision_lines
+    for line in precision_lines(report):
+        console.print(line, soft_wrap=True)
     final, *others = report["validation"]["candidates"]
     table = Table(title=f"{final['label']} ({final['backend']}) vs PyTorch fp32", title_justify="left")
     for column in ("output", "batch", "max abs", "max rel", "cosine", "top-1", "verdict"):
@@ -181,3 +192,7 @@ def build_plugins(force, cuda_archs, verbose):
         build = native.build_plugins(force=force, cuda_architectures=cuda_archs, verbose=verbose)
     for line in build.summary():
         console.print(line, soft_wrap=True)
+
+
+for command in (run, doctor, bench, profile, debug):
+    main.add_command(command)

@@ -18,7 +18,7 @@ import torch
 
 from deploykit.errors import BadInputError
 from deploykit.loading import LoadedModel
-from deploykit.specs import BatchRange, InputSpec
+from deploykit.specs import BatchRange
 
 EXPORTERS = ("auto", "dynamo", "torchscript")
 DEFAULT_OPSET = 18

@@ -455,13 +455,16 @@ def build_key(toolchain: Toolchain, headers: Headers, archs: str) -> str:
 
 
 def _source_files() -> list[Path]:
-    """Every file of csrc/ and plugins/ (the CMake tree); EnvironmentProblem outside a source checkout."""
+    """The files of the CMake tree under csrc/ and plugins/; EnvironmentProblem outside a source checkout."""
     if not (SOURCE_ROOT / "csrc" / "CMakeLists.txt").is_file():
         raise EnvironmentProblem(f"deploykit's native sources are missing ({SOURCE_ROOT / 'csrc'}): "
                                  "build the plugins from a source checkout of deploykit")
     files = [p for d in ("csrc", "plugins") for p in (SOURCE_ROOT / d).rglob("*") if p.is_file()]
+    # csrc/runtime (the C++ bundle runner) and the benchmarks are separate projects: not this build.
+    separate = (SOURCE_ROOT / "csrc" / "runtime", SOURCE_ROOT / "csrc" / "kernels" / "bench")
     return sorted(p for p in files if not any(part.startswith(".") or part == "__pycache__"
-                                              for part in p.relative_to(SOURCE_ROOT).parts))
+                                              for part in p.relative_to(SOURCE_ROOT).parts)
+                  and not any(p.is_relative_to(folder) for folder in separate))
 
 
 def _build(build_dir: Path, key: str, toolchain: Toolchain, headers: Headers, archs: str,

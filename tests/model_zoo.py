@@ -97,3 +97,38 @@ class ImageAndTokens(nn.Module):
 
 def image_and_tokens() -> nn.Module:
     return ImageAndTokens()
+
+
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention and an MLP, each behind a LayerNorm."""
+
+    def __init__(self, width: int = 32, heads: int = 4):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        h = self.norm1(x)
+        x = x + self.attention(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class SmallTransformer(nn.Module):
+    """Attention + LayerNorm + MLP: the numerically sensitive mix fp16 conversion must survive."""
+
+    def __init__(self, features: int = 12, tokens: int = 16, width: int = 32, classes: int = 10):
+        super().__init__()
+        self.embed = nn.Linear(features, width)
+        self.position = nn.Parameter(torch.randn(tokens, width) * 0.1)
+        self.blocks = nn.Sequential(Block(width), Block(width))
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, classes)
+
+    def forward(self, x):
+        return self.head(self.norm(self.blocks(self.embed(x) + self.position)).mean(1))
+
+
+def small_transformer() -> nn.Module:
+    return SmallTransformer()

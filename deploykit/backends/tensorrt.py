@@ -18,14 +18,11 @@ Both are strongly typed here: precision comes from the ONNX model, never from bu
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import importlib
 import importlib.util
 import json
 import os
-import sys
-import tempfile
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -34,6 +31,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from deploykit.errors import BadInputError, DeployKitError, EnvironmentProblem
+from deploykit.native_output import captured_stderr
 
 INSTALL_HINT = (
     "pip install tensorrt (TensorRT >= 10, needs an NVIDIA GPU) or "
@@ -159,29 +157,6 @@ def _logger(flavour: Flavour):
     return CollectingLogger()
 
 
-@contextlib.contextmanager
-def _native_stderr(lines: list[str]):
-    """Collect what native code writes to fd 2: our plugins log there while the parser runs,
-    because TensorRT offers them no logger outside a builder or engine."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as capture:
-        os.dup2(capture.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            capture.seek(0)
-            text = capture.read().decode(errors="replace")
-            sys.stderr.write(text)  # still shown, as without the capture
-            lines.extend(text.splitlines())
-
-
-# --- GPUs ----------------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=1)
 def local_gpus() -> tuple[tuple[str, str], ...] | str:
     """(name, "major.minor") of each visible GPU, from the driver; or why there are none."""
     try:
@@ -334,7 +309,7 @@ def build_engine(
     if library:
         parser.set_flag(trt.OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE)
     native: list[str] = []
-    with _native_stderr(native):
+    with captured_stderr(native):
         if isinstance(model, (bytes, bytearray, memoryview)):
             parsed = parser.parse(bytes(model))
         else:
@@ -363,7 +338,7 @@ def build_engine(
         cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
         config.set_timing_cache(cache, ignore_mismatch=True)
 
-    with _native_stderr(native):
+    with captured_stderr(native):
         serialized = builder.build_serialized_network(network, config)
     errors, warnings = logger.take()
     if serialized is None:

@@ -1,0 +1,388 @@
+"""``deploykit bench``: latency and throughput of a bundle's backends side by side, per batch size.
+
+Each contender (PyTorch eager, torch.compile, ONNX Runtime on the plain export, on deploykit's
+graph with its ONNX functions and with our op library, with CUDA graphs, TensorRT) turns a
+feed set into a zero-argument step that runs one inference to completion; the same loop
+times every step after a warm-up. What cannot run here is listed with the reason instead of
+silently missing from the table. Inputs live where the backend runs (CUDA tensors on a GPU),
+so the numbers measure inference, not host copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import gc
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from deploykit import runtime
+from deploykit.errors import BadInputError, DeployKitError, error_summary
+from deploykit.versions import tool_versions
+
+Step = Callable[[], object]
+
+
+@dataclasses.dataclass
+class Settings:
+    """How to measure. ``max_seconds`` bounds one (contender, batch) measurement."""
+
+    batch_sizes: list[int]
+    device: str = "cpu"
+    warmup: int = 10
+    iterations: int = 100
+    max_seconds: float = 20.0
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Contender:
+    """One thing to time. ``setup()`` builds the backend (a session, a compiled module) when its
+    turn comes and returns ``prepare(feeds) -> step``; without ``setup``, ``reason`` says why
+    it is skipped (or, with ``failed``, why it broke)."""
+
+    key: str
+    label: str
+    setup: Callable[[], Callable[[dict], Step]] | None = None
+    reason: str = ""
+    failed: bool = False
+
+
+@dataclasses.dataclass
+class SourceModel:
+    """The PyTorch model behind the bundle, or why it could not be loaded."""
+
+    loaded: object | None
+    reason: str = ""
+
+
+def load_source(bundle: runtime.Bundle, model: Path | None, factory: str | None, trust_pickle: bool) -> SourceModel:
+    """--model (default: the manifest's ``source`` when that file exists), through deploykit.loading.
+
+    A relative ``source`` was relative to where convert ran: tried from here, then beside the bundle.
+    """
+    path = Path(model) if model else Path(bundle.manifest.get("source", ""))
+    if not model and not path.is_file() and (bundle.path.parent / path).is_file():
+        path = bundle.path.parent / path
+    if not model and not path.is_file():
+        return SourceModel(None, f"the source model {str(path)!r} recorded in the manifest is not here; pass --model")
+    try:
+        from deploykit.loading import load_model
+
+        return SourceModel(load_model(path, factory, trust_pickle))
+    except DeployKitError as error:
+        return SourceModel(None, f"cannot load {path}: {error}")
+
+
+# --------------------------------------------------------------------------- contenders
+
+
+KEYS = ("pytorch", "torch-compile", "ort-plain", "ort-functions", "ort-deploykit", "ort-cuda-graph", "tensorrt")
+
+
+def contenders(bundle: runtime.Bundle, device: str, source: SourceModel, plain_onnx: Path | None = None,
+               export_plain: bool = False, only: set[str] | None = None) -> list[Contender]:
+    """Everything bench compares, in a fixed order; skipped ones carry their reason.
+
+    Backends are built one at a time when measured and dropped after: an idle ONNX Runtime
+    thread pool next to torch's threads would slow both on a small machine.
+    """
+    graph = "ONNX Runtime: deploykit graph" + (" + op library" if bundle.op_library else "")
+    plans = [
+        ("pytorch", "PyTorch eager", lambda: _eager(source, device)),
+        ("torch-compile", "torch.compile", lambda: _compiled(source, device)),
+        ("ort-plain", "ONNX Runtime: plain export", lambda: _plain(bundle, device, source, plain_onnx, export_plain)),
+        ("ort-functions", "ONNX Runtime: deploykit graph, ONNX functions", lambda: _ort(bundle, device, False)),
+        ("ort-deploykit", graph, lambda: _ort(bundle, device, True)),
+        ("ort-cuda-graph", "ONNX Runtime: deploykit graph, CUDA graph", lambda: _ort_cuda_graph(bundle, device)),
+        ("tensorrt", "TensorRT engine", lambda: _tensorrt(bundle, device)),
+    ]
+    if not bundle.op_library:  # without our ops the two deploykit-graph contenders are the same
+        plans = [plan for plan in plans if plan[0] != "ort-functions"]
+    return [_contender(key, label, plan, only) for key, label, plan in plans]
+
+
+def _contender(key: str, label: str, plan, only: set[str] | None) -> Contender:
+    """``plan()`` returns the setup function, or a string saying why this contender cannot run."""
+    if only is not None and key not in only:
+        return Contender(key, label, reason="not selected (--only)")
+    try:
+        setup = plan()
+    except Exception as error:  # noqa: BLE001 - reported in the table
+        return Contender(key, label, reason=error_summary(error)[:300], failed=True)
+    return Contender(key, label, reason=setup) if isinstance(setup, str) else Contender(key, label, setup)
+
+
+def _torch_feeds(feeds: dict, device: str) -> list:
+    import torch
+
+    return [torch.from_numpy(array).to(device) for array in feeds.values()]
+
+
+def _synchronize(device: str) -> Callable[[], None]:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def fp32_feeds(feeds: dict) -> dict:
+    """The source model is fp32: a bundle converted with fp16/bf16 inputs gets its floats widened."""
+    return {name: a.astype(np.float32) if a.dtype.kind == "f" else a for name, a in feeds.items()}
+
+
+def _module_step(module, device: str) -> Callable[[dict], Step]:
+    def prepare(feeds: dict) -> Step:
+        import torch
+
+        args, sync = _torch_feeds(fp32_feeds(feeds), device), _synchronize(device)
+
+        def step():
+            with torch.inference_mode():
+                result = module(*args)
+            sync()
+            return result
+
+        return step
+
+    return prepare
+
+
+def _eager(source: SourceModel, device: str):
+    if source.loaded is None:
+        return source.reason
+    return lambda: _module_step(source.loaded.module.to(device), device)
+
+
+def _compiled(source: SourceModel, device: str):
+    if source.loaded is None:
+        return source.reason
+    if source.loaded.kind == "torchscript":
+        return "torch.compile does not take TorchScript modules"
+
+    def setup():
+        import torch
+
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "no CUDA runtime" on CPU machines
+        return _module_step(torch.compile(source.loaded.module.to(device)), device)
+
+    return setup
+
+
+def _plain(bundle, device, source: SourceModel, plain_onnx: Path | None, export_plain: bool):
+    if plain_onnx is None and not export_plain:
+        return "the bundle keeps only deploykit's graph; pass --plain-onnx FILE, or --export-plain to re-export the source model"
+    if plain_onnx is None and source.loaded is None:
+        return f"--export-plain needs the source model: {source.reason}"
+    return _ort(bundle, device, False, lambda: Path(plain_onnx) if plain_onnx else export_plain_onnx(bundle, source.loaded))
+
+
+def export_plain_onnx(bundle: runtime.Bundle, loaded) -> Path:
+    """Re-export the source model as the bundle was exported (no deploykit passes), to a temp file."""
+    import onnx
+    import torch
+
+    from deploykit.export import export_onnx
+    from deploykit.specs import BatchRange
+
+    dynamic = runtime.batch_sizes(bundle.inputs)
+    example = runtime.random_inputs(bundle.inputs, max(2, dynamic[1]) if dynamic else None, seed=1234)
+    exported = export_onnx(loaded, {k: torch.from_numpy(v) for k, v in example.items()},
+                           [o["name"] for o in bundle.outputs], BatchRange(*dynamic) if dynamic else None,
+                           bundle.manifest["opset"], bundle.manifest.get("exporter", "auto"))
+    path = Path(tempfile.mkdtemp(prefix="deploykit-bench-")) / "plain.onnx"
+    onnx.save_model(exported.model, path)
+    return path
+
+
+def _ort(bundle, device, op_library: bool, model=lambda: None):
+    if device == "cuda" and not runtime.ort_has_cuda():
+        return f"onnxruntime has no {runtime.CUDA_EP} (pip install onnxruntime-gpu)"
+
+    def setup():
+        runner = runtime.OnnxRuntimeBundleRunner(bundle, device, op_library=op_library, model=model())
+
+        def prepare(feeds: dict) -> Step:
+            given = dict(zip(feeds, _torch_feeds(feeds, device))) if device == "cuda" else feeds
+            return lambda: runner.run(given)
+
+        return prepare
+
+    return setup
+
+
+def _ort_cuda_graph(bundle, device):
+    if device != "cuda" or not runtime.ort_has_cuda():
+        return f"CUDA graphs need a GPU and onnxruntime-gpu's {runtime.CUDA_EP}"
+    return lambda: functools.partial(cuda_graph_step, bundle)
+
+
+def cuda_graph_step(bundle: runtime.Bundle, feeds: dict) -> Step:
+    """A session per batch size with CUDA graphs on: ORT captures the first run and replays it,
+    which needs inputs and outputs at fixed device addresses (IOBinding)."""
+    runner = runtime.OnnxRuntimeBundleRunner(bundle, "cuda", cuda_graph=True)
+    memory = runtime.TorchMemory(0)
+    given = {name: runtime.as_feed(name, memory.to_device(array)) for name, array in feeds.items()}
+    binding = runner.session.io_binding()
+    for name, feed in given.items():
+        binding.bind_input(name, "cuda", 0, feed.dtype, list(feed.shape), feed.pointer)
+    keep = []
+    for spec, shape in zip(runner.outputs, runner._output_shapes(given)):
+        if shape is None:
+            raise BadInputError(f"output {spec['name']} has a data-dependent shape: CUDA graphs need fixed shapes")
+        keep.append(memory.empty(shape, spec["dtype"]))
+        binding.bind_output(spec["name"], "cuda", 0, np.dtype(spec["dtype"]), list(shape), keep[-1].data_ptr())
+
+    def step():
+        runner.session.run_with_iobinding(binding)
+        return keep  # the buffers must outlive the captured graph: the step holds them
+
+    return step
+
+
+def _tensorrt(bundle: runtime.Bundle, device: str):
+    if not bundle.engines:
+        return "the bundle has no engine (convert with --backend tensorrt)"
+    if device != "cuda":
+        return "TensorRT runs on the GPU only"
+    from deploykit.backends import tensorrt
+
+    entry = bundle.engines[0]
+    problem = runtime.engine_problem(entry, runtime.installed_tensorrt(entry["flavour"]), tensorrt.local_gpus())
+    if problem:
+        return problem
+
+    def setup():
+        runner = runtime.TensorRTBundleRunner(bundle, entry)
+
+        def prepare(feeds: dict) -> Step:
+            given, sync = dict(zip(feeds, _torch_feeds(feeds, "cuda"))), _synchronize("cuda")
+            return lambda: (runner.run(given), sync())
+
+        return prepare
+
+    return setup
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def measure(step: Step, settings: Settings) -> list[float]:
+    """Seconds per call after ``warmup`` calls; at least 5 calls, then stop at ``max_seconds``."""
+    for _ in range(settings.warmup):
+        step()
+    times, deadline = [], time.perf_counter() + settings.max_seconds
+    for index in range(settings.iterations):
+        start = time.perf_counter()
+        step()
+        end = time.perf_counter()
+        times.append(end - start)
+        if end > deadline and index >= 4:
+            break
+    return times
+
+
+def summarize(times: list[float], batch: int) -> dict:
+    """Latency percentiles (ms), mean, coefficient of variation and samples per second."""
+    ms = np.asarray(times) * 1e3
+    mean = float(ms.mean())
+    p50, p90, p99 = (float(v) for v in np.percentile(ms, [50, 90, 99]))
+    return {"batch": batch, "iterations": len(times), "p50_ms": p50, "p90_ms": p90, "p99_ms": p99, "mean_ms": mean,
+            "cv": float(ms.std() / mean) if mean else 0.0, "throughput": batch / (mean / 1e3) if mean else 0.0}
+
+
+def add_ratios(entries: list[dict]) -> None:
+    """``vs_fastest``: p50 latency over the fastest contender's at the same batch size (1.0 = fastest)."""
+    best: dict[int, float] = {}
+    for entry in entries:
+        for result in entry["results"]:
+            best[result["batch"]] = min(best.get(result["batch"], float("inf")), result["p50_ms"])
+    for entry in entries:
+        for result in entry["results"]:
+            result["vs_fastest"] = result["p50_ms"] / best[result["batch"]]
+
+
+def bench_contender(contender: Contender, settings: Settings, specs: list[dict], tick) -> dict:
+    """Time one contender at every batch size; a failure is recorded, not raised."""
+    entry = {"key": contender.key, "label": contender.label, "status": "failed" if contender.failed else "skipped",
+             "reason": contender.reason, "results": []}
+    if contender.setup is None:
+        return entry
+    try:
+        tick(f"{contender.label}: setting up")
+        start = time.perf_counter()
+        prepare = contender.setup()
+        entry["setup_s"] = time.perf_counter() - start
+        for batch in settings.batch_sizes:
+            tick(f"{contender.label}, batch {batch}")
+            step = prepare(runtime.random_inputs(specs, batch, settings.seed))
+            start = time.perf_counter()
+            step()  # first call: compilation, graph capture, lazy initialisation
+            first = time.perf_counter() - start
+            entry["results"].append({**summarize(measure(step, settings), batch), "first_call_s": first})
+        entry["status"] = "ok"
+    except Exception as error:  # noqa: BLE001 - one backend failing must not end the run
+        entry.update(status="failed", reason=error_summary(error)[:300])
+    finally:
+        prepare = step = None
+        gc.collect()  # free this backend's sessions and threads before the next one runs
+    return entry
+
+
+def batch_plan(bundle: runtime.Bundle, requested: list[int] | None) -> list[int]:
+    dynamic = runtime.batch_sizes(bundle.inputs)
+    if requested:
+        return sorted(set(requested))
+    if dynamic:
+        return sorted(set(dynamic))
+    first = bundle.inputs[0]["shape"][0]
+    return [first if isinstance(first, int) and first > 0 else 1]
+
+
+def run_benchmark(bundle: runtime.Bundle, settings: Settings, found: list[Contender], tick=lambda text: None) -> dict:
+    """Measure every contender and return bench.json's content."""
+    entries = [bench_contender(c, settings, bundle.inputs, tick) for c in found]
+    add_ratios(entries)
+    return {
+        "bundle": str(bundle.path),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": settings.device,
+        "settings": dataclasses.asdict(settings),
+        "versions": tool_versions(),
+        "contenders": entries,
+    }
+
+
+def resolve_device(device: str) -> str:
+    """auto: cuda when torch can use a GPU here (bench feeds the GPU backends torch tensors), else cpu."""
+    kind, _ = runtime.parse_device(device)
+    if kind != "auto":
+        return kind
+    if runtime._has_gpu():
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return "cuda"
+        except ImportError:
+            pass
+    return "cpu"
+
+
+def parse_batches(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise BadInputError(f"--batch {text!r}: give batch sizes like 1,8,32")
+    return sizes

@@ -1,0 +1,343 @@
+"""``deploykit run | doctor | bench | profile``: parse, call the runtime modules, print. No logic here.
+
+Imported at the end of ``deploykit/cli.py``; the shared error handling and console are read
+from there when a command runs (not at import, which would be circular). Heavy modules are
+imported inside the commands so that ``deploykit --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+BUNDLE = click.Path(path_type=Path, exists=True, file_okay=False)
+
+
+def _cli():
+    from deploykit import cli
+
+    return cli
+
+
+def _backend_options(function):
+    """--backend, --device, --allow-failed and --no-op-library, shared by run, bench and profile."""
+    for decorator in reversed((
+        click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto",
+                     show_default=True, help="auto: the TensorRT engine where this GPU runs it, else ONNX Runtime."),
+        click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda[:N]",
+                     help="Where to run."),
+        click.option("--allow-failed", is_flag=True, help="Run a bundle whose validation failed."),
+        click.option("--no-op-library", is_flag=True,
+                     help="Do not load libdeploykit_ort.so: deploykit ops run as their ONNX functions."),
+    )):
+        function = decorator(function)
+    return function
+
+
+def _print_notes(runner) -> None:
+    for note in runner.notes:
+        _cli().console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
+
+
+# --------------------------------------------------------------------------- run
+
+
+@click.command("run")
+@click.argument("bundle", type=BUNDLE)
+@click.option("--inputs", "feeds_path", type=click.Path(path_type=Path, exists=True, dir_okay=False),
+              help="Inputs as .npz, named after the model inputs (default: seeded random inputs).")
+@click.option("-o", "--output", type=click.Path(path_type=Path, dir_okay=False), help="Write the outputs to this .npz.")
+@click.option("--batch", type=click.IntRange(min=1), help="Batch size of the random inputs (default: the optimum).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@_backend_options
+@click.option("--json", "as_json", is_flag=True, help="Print what ran and the outputs' statistics as JSON.")
+@click.option("-v", "--verbose", is_flag=True, help="Show tracebacks.")
+def run(bundle, feeds_path, output, batch, seed, backend, device, allow_failed, no_op_library, as_json, verbose):
+    """Run BUNDLE on --inputs (or random inputs) and write its outputs with -o."""
+    import numpy as np
+
+    from deploykit import runtime
+
+    cli = _cli()
+    with cli._handle_errors(verbose):
+        runner = runtime.load(bundle, backend, device, allow_failed=allow_failed, op_library=not no_op_library)
+        feeds = runtime.bundle_feeds(runner.inputs, feeds_path, batch, seed)
+        start = time.perf_counter()
+        outputs = runner.run(feeds)
+        seconds = time.perf_counter() - start
+        if output is not None:
+            np.savez(output, **outputs)
+    summary = {**runner.describe(), "seconds": seconds, "inputs": str(feeds_path) if feeds_path else f"random (seed {seed})",
+               "outputs": {name: _stats(value) for name, value in outputs.items()},
+               "written": str(output) if output else None}
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    _print_notes(runner)
+    _print_run(summary)
+
+
+def _stats(array) -> dict:
+    import numpy as np
+
+    values = np.asarray(array)
+    numeric = values.astype(np.float64) if values.size else np.zeros(1)
+    return {"shape": list(values.shape), "dtype": str(values.dtype), "min": float(numeric.min()),
+            "max": float(numeric.max()), "mean": float(numeric.mean())}
+
+
+def _print_run(summary: dict) -> None:
+    from rich.table import Table
+
+    console = _cli().console
+    where = summary.get("provider") or summary.get("tensorrt") or ""
+    console.print(f"Ran {summary['bundle']} with {summary['backend']} ({where}, {summary['device']}) on "
+                  f"{summary['inputs']} in {summary['seconds'] * 1e3:.1f} ms", soft_wrap=True)
+    table = Table(title="outputs", title_justify="left")
+    for column in ("output", "shape", "dtype", "min", "max", "mean"):
+        table.add_column(column, justify="left" if column in ("output", "dtype") else "right")
+    for name, s in summary["outputs"].items():
+        table.add_row(name, "x".join(map(str, s["shape"])), s["dtype"], f"{s['min']:.4g}", f"{s['max']:.4g}",
+                      f"{s['mean']:.4g}")
+    console.print(table)
+    if summary["written"]:
+        console.print(f"Outputs: {summary['written']}")
+
+
+# --------------------------------------------------------------------------- doctor
+
+STATUS_STYLE = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]FAIL[/]", "skip": "[dim]skip[/]"}
+
+
+@click.command("doctor")
+@click.argument("bundle", type=BUNDLE, required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print the checks and the facts as JSON.")
+@click.option("-v", "--verbose", is_flag=True, help="Show tracebacks.")
+def doctor(bundle, as_json, verbose):
+    """Check drivers, CUDA, torch, ONNX Runtime, TensorRT and our libraries (and whether BUNDLE runs here).
+
+    Exits 3 when a check fails.
+    """
+    import dataclasses
+
+    from deploykit import doctor as diagnosis
+    from deploykit.errors import EXIT_ENVIRONMENT
+
+    cli = _cli()
+    with cli._handle_errors(verbose):
+        checks, env = diagnosis.diagnose(bundle)
+    failed = any(check.status == "fail" for check in checks)
+    if as_json:
+        click.echo(json.dumps({"ok": not failed, "checks": [dataclasses.asdict(c) for c in checks],
+                               "environment": dataclasses.asdict(env)}, indent=2))
+    else:
+        _print_checks(checks)
+    sys.exit(EXIT_ENVIRONMENT if failed else 0)
+
+
+def _print_checks(checks) -> None:
+    from rich.table import Table
+
+    table = Table(title="deploykit doctor", title_justify="left", show_lines=False)
+    for column in ("check", "status", "detail", "fix"):
+        table.add_column(column, overflow="fold")
+    for check in checks:
+        table.add_row(check.area, STATUS_STYLE[check.status], check.detail, check.fix if check.status != "ok" else "")
+    console = _cli().console
+    console.print(table)
+    problems = sum(c.status == "fail" for c in checks)
+    console.print(f"[bold red]{problems} problem(s)[/]" if problems else "[green]no problems found[/]")
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def _source_options(function):
+    """--model, --factory and --trust-pickle: the PyTorch model behind the bundle."""
+    for decorator in reversed((
+        click.option("--model", type=click.Path(path_type=Path, exists=True, dir_okay=False),
+                     help="The source PyTorch model (default: the manifest's source, if the file is here)."),
+        click.option("--factory", metavar="PKG.MODULE:FUNCTION", help="Build the model, then load --model as its state_dict."),
+        click.option("--trust-pickle", is_flag=True, help="Allow a pickled nn.Module as --model."),
+    )):
+        function = decorator(function)
+    return function
+
+
+@click.command("bench")
+@click.argument("bundle", type=BUNDLE)
+@_source_options
+@click.option("--plain-onnx", type=click.Path(path_type=Path, exists=True, dir_okay=False),
+              help="A plain torch.onnx export of the model, to time against deploykit's graph.")
+@click.option("--export-plain", is_flag=True, help="Re-export the source model for the plain-export contender.")
+@click.option("--batch", "batches", metavar="N,N,...", help="Batch sizes (default: the bundle's MIN, OPT, MAX).")
+@click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda", help="Where everything runs.")
+@click.option("--only", metavar="KEY,KEY", help="Contenders to run: pytorch, torch-compile, ort-plain, ort-functions, "
+              "ort-deploykit, ort-cuda-graph, tensorrt (default: all that can run).")
+@click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True, help="Untimed calls first.")
+@click.option("--iterations", type=click.IntRange(min=1), default=100, show_default=True, help="Timed calls.")
+@click.option("--max-seconds", type=click.FloatRange(min=0.1), default=20.0, show_default=True,
+              help="Stop timing one contender and batch size after this long.")
+@click.option("--allow-failed", is_flag=True, help="Benchmark a bundle whose validation failed.")
+@click.option("-o", "--output", type=click.Path(path_type=Path, file_okay=False),
+              help="Where bench.json and bench.png go (default: the bundle).")
+@click.option("--json", "as_json", is_flag=True, help="Print bench.json on stdout.")
+@click.option("-v", "--verbose", is_flag=True, help="Show tracebacks.")
+def bench(bundle, model, factory, trust_pickle, plain_onnx, export_plain, batches, device, only, warmup, iterations,
+          max_seconds, allow_failed, output, as_json, verbose):
+    """Time BUNDLE's backends side by side: latency percentiles and throughput per batch size."""
+    from deploykit import benchmark, runtime
+    from deploykit.bundle import write_json
+    from deploykit.report.bench_plots import bench_png
+
+    cli = _cli()
+    with cli._handle_errors(verbose):
+        opened = runtime.open_bundle(bundle)
+        runtime.check_validation(opened, allow_failed)
+        selected = _parse_only(only, benchmark.KEYS)
+        settings = benchmark.Settings(benchmark.batch_plan(opened, benchmark.parse_batches(batches)),
+                                      benchmark.resolve_device(device), warmup, iterations, max_seconds)
+        wants_source = selected is None or bool({"pytorch", "torch-compile"} & selected) or export_plain
+        with cli._stage_printer(quiet=as_json)("Loading the backends"):
+            source = (benchmark.load_source(opened, model, factory, trust_pickle) if wants_source
+                      else benchmark.SourceModel(None, "not selected (--only)"))
+            found = benchmark.contenders(opened, settings.device, source, plain_onnx, export_plain, selected)
+        result = _with_progress(lambda tick: benchmark.run_benchmark(opened, settings, found, tick),
+                                sum(c.setup is not None for c in found) * (1 + len(settings.batch_sizes)), as_json)
+        folder = output or bundle
+        folder.mkdir(parents=True, exist_ok=True)
+        write_json(folder / "bench.json", result)
+        (folder / "bench.png").write_bytes(bench_png(result))
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    _print_bench(result, folder)
+
+
+def _parse_only(text: str | None, keys) -> set[str] | None:
+    if not text:
+        return None
+    chosen = {part.strip() for part in text.split(",") if part.strip()}
+    unknown = chosen - set(keys)
+    if unknown:
+        raise click.BadParameter(f"unknown {', '.join(sorted(unknown))}; choose from {', '.join(keys)}", param_hint="--only")
+    return chosen
+
+
+def _with_progress(work, total: int, quiet: bool):
+    """Run ``work(tick)`` under a rich progress bar; ``tick(text)`` starts the next measurement."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if quiet:
+        return work(lambda text: None)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=_cli().console, transient=True) as progress:
+        task = progress.add_task("benchmarking", total=total)
+        started = [0]
+
+        def tick(text: str) -> None:
+            progress.update(task, description=text, completed=started[0])
+            started[0] += 1
+
+        result = work(tick)
+        progress.update(task, completed=total)
+    return result
+
+
+def _print_bench(result: dict, folder: Path) -> None:
+    from rich.table import Table
+
+    console = _cli().console
+    table = Table(title=f"{result['bundle']} on {result['device']}", title_justify="left")
+    for column in ("backend", "batch", "p50 ms", "p90 ms", "p99 ms", "mean ms", "cv", "samples/s", "vs best"):
+        table.add_column(column, justify="left" if column == "backend" else "right", no_wrap=column == "backend")
+    for entry in result["contenders"]:
+        for r in entry["results"]:
+            ratio = "[green]best[/]" if r["vs_fastest"] == 1.0 else f"{r['vs_fastest']:.2f}x"
+            table.add_row(entry["key"], str(r["batch"]), f"{r['p50_ms']:.3f}", f"{r['p90_ms']:.3f}",
+                          f"{r['p99_ms']:.3f}", f"{r['mean_ms']:.3f}", f"{r['cv']:.2f}", f"{r['throughput']:.0f}", ratio)
+    console.print(table)
+    for entry in result["contenders"]:
+        if entry["status"] != "ok" and not entry["reason"].startswith("not selected"):
+            colour = "red" if entry["status"] == "failed" else "yellow"
+            console.print(f"[{colour}]{entry['status']}:[/] {entry['key']} ({entry['label']}): {entry['reason']}",
+                          soft_wrap=True)
+    if any(r["cv"] > 0.5 for entry in result["contenders"] for r in entry["results"]):
+        console.print("[yellow]note:[/] some timings vary a lot (cv > 0.5): is other work running on this machine? "
+                      "Use more --iterations or a quieter machine", soft_wrap=True)
+    console.print(f"Results: {folder / 'bench.json'}, plot: {folder / 'bench.png'}")
+
+
+# --------------------------------------------------------------------------- profile
+
+
+@click.command("profile")
+@click.argument("bundle", type=BUNDLE)
+@_source_options
+@click.option("--batch", type=click.IntRange(min=1), help="Batch size (default: the bundle's optimum).")
+@click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda", help="Where everything runs.")
+@click.option("--only", metavar="KEY,KEY", help="Backends: onnxruntime, tensorrt, pytorch (default: all that can run).")
+@click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True, help="Unprofiled runs first.")
+@click.option("--iterations", type=click.IntRange(min=1), default=20, show_default=True, help="Profiled runs.")
+@click.option("--top", type=click.IntRange(min=1), default=15, show_default=True, help="Layers shown in tables and charts.")
+@click.option("--no-op-library", is_flag=True, help="Profile deploykit's ops as their ONNX functions.")
+@click.option("--allow-failed", is_flag=True, help="Profile a bundle whose validation failed.")
+@click.option("-o", "--output", type=click.Path(path_type=Path, file_okay=False),
+              help="Where profile.json and profile.html go (default: the bundle).")
+@click.option("--json", "as_json", is_flag=True, help="Print profile.json on stdout.")
+@click.option("-v", "--verbose", is_flag=True, help="Show tracebacks.")
+def profile(bundle, model, factory, trust_pickle, batch, device, only, warmup, iterations, top, no_op_library,
+            allow_failed, output, as_json, verbose):
+    """Per-layer time of BUNDLE in ONNX Runtime, TensorRT and PyTorch, as a table and an HTML page."""
+    from deploykit import benchmark, profiling, runtime
+    from deploykit.bundle import write_json
+
+    cli = _cli()
+    with cli._handle_errors(verbose):
+        opened = runtime.open_bundle(bundle)
+        runtime.check_validation(opened, allow_failed)
+        selected = _parse_only(only, ("onnxruntime", "tensorrt", "pytorch"))
+        settings = profiling.Settings(batch, benchmark.resolve_device(device), warmup, iterations,
+                                      op_library=not no_op_library)
+        source = None
+        if selected is None or "pytorch" in selected:
+            source = benchmark.load_source(opened, model, factory, trust_pickle)
+        result = profiling.run_profile(opened, settings, source, selected, cli._stage_printer(quiet=as_json))
+        folder = output or bundle
+        folder.mkdir(parents=True, exist_ok=True)
+        write_json(folder / "profile.json", result)
+        (folder / "profile.html").write_text(profiling.render_html(result, top))
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    _print_profile(result, top, folder)
+
+
+def _print_profile(result: dict, top: int, folder: Path) -> None:
+    from rich.table import Table
+
+    console = _cli().console
+    for section in result["sections"]:
+        if section["status"] != "ok":
+            colour = "red" if section["status"] == "failed" else "yellow"
+            console.print(f"[{colour}]{section['status']}:[/] {section['backend']}: {section['reason']}", soft_wrap=True)
+            continue
+        table = Table(title=f"{section['backend']}: {section['per_run_ms']:.3f} ms per run, deploykit ops "
+                            f"{100 * section['custom_share']:.1f}%", title_justify="left")
+        for column in ("layer", "op type", "ms/run", "share"):
+            table.add_column(column, justify="right" if column in ("ms/run", "share") else "left", overflow="fold")
+        for row in section["layers"][:top]:
+            style = "bold red" if row["custom"] else None
+            table.add_row(row["name"], row["op_type"], f"{row['per_run_ms']:.4f}", f"{100 * row['share']:.1f}%",
+                          style=style)
+        console.print(table)
+        types = ", ".join(f"{t['op_type']} {100 * t['share']:.1f}%" for t in section["op_types"][:6])
+        console.print(f"By op type: {types}", soft_wrap=True)
+    console.print(f"Profile: {folder / 'profile.json'}, page: {folder / 'profile.html'}")
+
+
+COMMANDS = [run, doctor, bench, profile]

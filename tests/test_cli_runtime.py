@@ -1,0 +1,260 @@
+"""``deploykit run | doctor | bench | profile`` through the CLI, on small bundles, on the CPU.
+
+Bundles come from ``test_runtime.converted`` (converted once per session). Doctor's rules are
+also tested on made-up machines (an H200, a torch without kernels for the GPU), since this
+one has no GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import deploykit
+from deploykit import doctor
+from deploykit.runtime import open_bundle
+from test_runtime import converted, copy_bundle, edit_manifest
+
+TESTS = Path(__file__).parent
+
+
+def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "deploykit", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tabular() -> Path:
+    return converted("tabular")
+
+
+# --------------------------------------------------------------------------- run
+
+
+def test_run_writes_the_runtime_outputs(tmp_path, tabular):
+    features = np.random.default_rng(3).standard_normal((4, 13))  # float64: the CLI casts
+    np.savez(tmp_path / "x.npz", features=features)
+    result = cli("run", tabular, "--inputs", tmp_path / "x.npz", "-o", tmp_path / "y.npz", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert "output_0" in result.stderr and "4x16" in result.stderr
+    expected = deploykit.load(tabular, device="cpu")(features.astype(np.float32))
+    with np.load(tmp_path / "y.npz") as written:
+        assert sorted(written.files) == ["output_0", "output_1"]
+        for name, array in expected.items():
+            np.testing.assert_array_equal(written[name], array)
+
+
+def test_run_json_random_inputs(tabular):
+    result = cli("run", tabular, "--json", "--batch", "3", "--no-op-library")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["backend"] == "onnxruntime" and summary["op_library"] is None
+    assert summary["outputs"]["output_1"]["shape"] == [3, 16] and summary["inputs"] == "random (seed 0)"
+
+
+@pytest.mark.parametrize("case, code, message", [
+    ("failed", 1, "failed validation against PyTorch"),
+    ("changed", 2, "differs from the file deploykit validated"),
+    ("engine", 3, "cannot run model.fp32.sm86_sm120.engine here"),
+])
+def test_run_exit_codes(tmp_path, case, code, message):
+    bundle = copy_bundle("tabular", tmp_path)
+    args = []
+    if case == "failed":
+        edit_manifest(bundle, lambda m: m["validation"].update(passed=False))
+    elif case == "changed":
+        (bundle / "model.onnx").write_bytes(b"x" + (bundle / "model.onnx").read_bytes())
+    elif not open_bundle(bundle).engines:
+        pytest.skip("no TensorRT here: the bundle has no engine")
+    else:
+        args = ["--backend", "tensorrt"]
+    result = cli("run", bundle, *args)
+    assert result.returncode == code and message in result.stderr, result.stderr
+
+
+# --------------------------------------------------------------------------- doctor
+
+
+def test_doctor_json_on_this_machine(tabular):
+    result = cli("doctor", tabular, "--json")
+    report = json.loads(result.stdout)
+    by_area = {}
+    for check in report["checks"]:
+        by_area.setdefault(check["area"], []).append(check)
+    assert {"GPU", "PyTorch", "nvcc", "ONNX Runtime", "deploykit libraries", "bundle files", "bundle validation"} <= set(by_area)
+    assert by_area["bundle files"][0]["status"] == "ok" and by_area["deploykit libraries"][0]["status"] == "ok"
+    assert report["environment"]["onnxruntime"]["version"]
+    assert result.returncode == (0 if report["ok"] else 3)
+
+
+def test_doctor_table_names_a_changed_file(tmp_path):
+    bundle = copy_bundle("tabular", tmp_path)
+    (bundle / "report.json").write_text("{}")
+    result = cli("doctor", bundle)
+    assert result.returncode == 3
+    assert "report.json (sha256 mismatch)" in result.stderr and "re-run deploykit convert" in result.stderr
+
+
+H200 = (("NVIDIA H200", "9.0"),)
+TORCH = {"version": "2.14.1+cu130", "cuda": "13.0", "archs": ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"],
+         "available": True}
+
+
+def fake_env(**changes) -> doctor.Environment:
+    base = dict(driver="580.82", driver_cuda="13.0", gpus=H200, torch=TORCH, nvcc="13.0",
+                onnxruntime={"version": "1.32.0", "providers": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+                             "distributions": ["onnxruntime-gpu"]},
+                tensorrt={"tensorrt-rtx": "1.7.1.116"}, rtx_targets=("7.5", "8.0", "8.6", "8.9", "12.0", "12.1"),
+                cuda_python="13.5.0", libraries={"libdeploykit_ort.so": "ok"})
+    return doctor.Environment(**{**base, **changes})
+
+
+def statuses(checks) -> dict[str, str]:
+    return {f"{c.area}: {c.detail}": c.status for c in checks}
+
+
+def test_doctor_healthy_machine_has_only_the_rtx_warning():
+    checks, _ = doctor.diagnose(env=fake_env())
+    bad = {k: v for k, v in statuses(checks).items() if v not in ("ok", "skip")}
+    assert list(bad.values()) == ["warn"] and "does not run on NVIDIA H200 (9.0)" in next(iter(bad))
+
+
+@pytest.mark.parametrize("archs, capability, runs", [
+    (["sm_80", "sm_86"], "8.9", True),      # same major, newer minor: SASS runs
+    (["sm_80", "sm_90"], "12.0", False),    # Blackwell needs sm_120 (or PTX)
+    (["sm_80", "compute_90"], "12.0", True),  # PTX is JIT-compiled for newer GPUs
+    (["sm_90a"], "9.0", True),
+    (["sm_90a"], "9.1", False),
+    (["sm_86"], "8.0", False),
+])
+def test_torch_kernel_coverage(archs, capability, runs):
+    assert doctor.torch_runs_on(archs, capability) is runs
+
+
+def test_doctor_explains_no_kernel_image():
+    env = fake_env(gpus=(("NVIDIA RTX PRO 6000", "12.0"),), torch={**TORCH, "archs": ["sm_80", "sm_90"]})
+    (check,) = doctor.check_torch(env)
+    assert check.status == "fail" and "no kernel image is available" in check.detail and "sm_120" in check.detail
+    assert "download.pytorch.org" in check.fix
+
+
+def test_doctor_driver_older_than_torch_cuda():
+    checks = doctor.check_torch(fake_env(driver_cuda="12.4"))
+    assert checks[0].status == "fail" and "driver version is insufficient" in checks[0].detail
+
+
+def test_doctor_two_onnxruntime_distributions():
+    env = fake_env(onnxruntime={"version": "1.32.0", "providers": ["CPUExecutionProvider"],
+                                "distributions": ["onnxruntime", "onnxruntime-gpu"]})
+    (check,) = doctor.check_onnxruntime(env)
+    assert check.status == "fail" and "pip uninstall -y onnxruntime onnxruntime-gpu" in check.fix
+
+
+def test_doctor_rtx_engine_on_hopper(tabular):
+    bundle = open_bundle(tabular)
+    if not bundle.engines:
+        pytest.skip("no TensorRT here: the bundle has no engine")
+    checks = {c.area: c for c in doctor.check_bundle(bundle, fake_env())}
+    engine = checks["bundle engine"]
+    assert engine.status == "fail" and "does not run on compute capability 9.0 (NVIDIA H200)" in engine.detail
+    assert "pip install tensorrt" in engine.fix
+    rtx_gpu = fake_env(gpus=(("NVIDIA RTX 6000 Ada", "8.9"),))
+    assert "convert with --trt-targets 8.9" in doctor.check_bundle(bundle, rtx_gpu)[-1].fix
+    ok = doctor.check_bundle(bundle, fake_env(gpus=(("NVIDIA RTX A6000", "8.6"),)))[-1]
+    assert ok.status == "ok" and "runs on NVIDIA RTX A6000" in ok.detail
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def weights_of(bundle: Path) -> Path:
+    return Path(json.loads((bundle / "manifest.json").read_text())["source"])
+
+
+def test_bench_compares_backends_and_says_what_it_skipped(tmp_path, tabular):
+    result = cli("bench", tabular, "--model", weights_of(tabular), "--factory", "model_zoo:tabular",
+                 "--iterations", "5", "--warmup", "1", "--batch", "1,4", "--device", "cpu",
+                 "--only", "pytorch,ort-plain,ort-functions,ort-deploykit,tensorrt", "-o", tmp_path)
+    assert result.returncode == 0, result.stderr
+    bench = json.loads((tmp_path / "bench.json").read_text())
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    entries = {entry["key"]: entry for entry in bench["contenders"]}
+    assert [k for k, e in entries.items() if e["status"] == "ok"] == ["pytorch", "ort-functions", "ort-deploykit"]
+    assert "not selected" in entries["torch-compile"]["reason"]
+    assert "--plain-onnx" in entries["ort-plain"]["reason"] and "GPU only" in entries["tensorrt"]["reason"]
+    for batch in (1, 4):
+        rows = [r for e in entries.values() for r in e["results"] if r["batch"] == batch]
+        assert len(rows) == 3 and min(r["vs_fastest"] for r in rows) == 1.0
+        assert all(r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"] and r["iterations"] == 5 for r in rows)
+        assert all(r["throughput"] == pytest.approx(batch / (r["mean_ms"] / 1e3)) for r in rows)
+    assert "ort-deploykit" in result.stderr and "skipped: ort-plain" in result.stderr
+
+
+def test_bench_torch_compile_and_plain_onnx(tmp_path, tabular):
+    import onnx
+    import onnx.inliner
+
+    plain = tmp_path / "plain.onnx"  # the ONNX functions inlined stand in for a plain export here
+    onnx.save_model(onnx.inliner.inline_local_functions(onnx.load(tabular / "model.onnx")), plain)
+    result = cli("bench", tabular, "--factory", "model_zoo:tabular", "--model", weights_of(tabular),
+                 "--iterations", "3", "--warmup", "1", "--batch", "2", "--device", "cpu", "--json",
+                 "--only", "torch-compile,ort-plain", "--plain-onnx", plain, "-o", tmp_path)
+    assert result.returncode == 0, result.stderr
+    entries = {e["key"]: e for e in json.loads(result.stdout)["contenders"]}
+    assert entries["torch-compile"]["status"] == "ok", entries["torch-compile"]["reason"]
+    assert entries["ort-plain"]["status"] == "ok", entries["ort-plain"]["reason"]
+
+
+def test_bench_without_the_source_model_skips_pytorch(tmp_path):
+    bundle = copy_bundle("tabular", tmp_path)
+    edit_manifest(bundle, lambda m: m.update(source=str(tmp_path / "gone.pt")))
+    result = cli("bench", bundle, "--iterations", "2", "--warmup", "0", "--only", "pytorch,ort-deploykit", "--json")
+    entries = {e["key"]: e for e in json.loads(result.stdout)["contenders"]}
+    assert "gone.pt" in entries["pytorch"]["reason"] and "pass --model" in entries["pytorch"]["reason"]
+    assert entries["ort-deploykit"]["status"] == "ok" and (bundle / "bench.json").is_file()
+
+
+def test_bench_state_dict_needs_its_factory(tabular):
+    from deploykit import benchmark
+
+    source = benchmark.load_source(open_bundle(tabular), None, None, False)
+    assert source.loaded is None and "--factory" in source.reason
+
+
+# --------------------------------------------------------------------------- profile
+
+
+def test_profile_names_our_ops_and_writes_a_page(tmp_path, tabular):
+    result = cli("profile", tabular, "--model", weights_of(tabular), "--factory", "model_zoo:tabular",
+                 "--iterations", "4", "--warmup", "1", "--device", "cpu", "-o", tmp_path)
+    assert result.returncode == 0, result.stderr
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    sections = {s["backend"].split(" ")[0]: s for s in profile["sections"]}
+    ort_section, torch_section = sections["onnxruntime"], sections["pytorch"]
+    assert ort_section["status"] == "ok" and ort_section["runs"] == 4 and profile["batch"] == 2
+    custom = [layer for layer in ort_section["layers"] if layer["custom"]]
+    assert [layer["op_type"] for layer in custom] == ["deploykit::MatMulRelu"] and custom[0]["calls"] == 4
+    assert ort_section["custom_share"] == pytest.approx(custom[0]["share"])
+    totals = [layer["total_ms"] for layer in ort_section["layers"]]
+    assert totals == sorted(totals, reverse=True) and sum(l["share"] for l in ort_section["layers"]) == pytest.approx(1)
+    assert {event["name"] for event in ort_section["timeline"]} == {l["name"] for l in ort_section["layers"]}
+    assert {"Linear", "BatchNorm1d"} <= {t["op_type"] for t in torch_section["op_types"]}
+    assert sections["tensorrt"]["status"] == "skipped"
+    page = (tmp_path / "profile.html").read_text()
+    assert page.count("data:image/png;base64,") == 6 and "deploykit::MatMulRelu" in page
+    assert "deploykit::MatMulRelu" in result.stderr and "USDT" not in result.stderr
+
+
+def test_profile_function_fallback_has_no_custom_ops(tabular, tmp_path):
+    result = cli("profile", tabular, "--only", "onnxruntime", "--no-op-library", "--iterations", "2", "--json",
+                 "-o", tmp_path)
+    assert result.returncode == 0, result.stderr
+    (section,) = json.loads(result.stdout)["sections"]
+    assert section["custom_share"] == 0 and "inlined ONNX functions" in section["note"]

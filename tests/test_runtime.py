@@ -1,0 +1,303 @@
+"""``deploykit.load``: a bundle runs only when it is the one deploykit validated, and takes
+numpy arrays or torch tensors by name.
+
+Bundles are converted once per session (``converted``), in process, from ``model_zoo``
+models; the tabular one also carries a TensorRT-RTX engine when TensorRT-RTX is installed
+(it cannot run here: no GPU), so the backend choice and its refusals are tested on the CPU.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+import deploykit
+from deploykit import runtime
+from deploykit.errors import BadInputError, EnvironmentProblem, ValidationFailed
+from deploykit.testing import randomize_batch_norm
+
+MODELS = {"tabular": "features:1x13", "transformer_mlp": "tokens:1x9x40"}
+_WORK = Path(tempfile.mkdtemp(prefix="deploykit-runtime-tests-"))
+atexit.register(shutil.rmtree, _WORK, ignore_errors=True)
+
+
+def _has_tensorrt() -> bool:
+    try:
+        from deploykit.backends import tensorrt
+
+        tensorrt.load_tensorrt()
+        return True
+    except Exception:  # noqa: BLE001 - any failure means no TensorRT here
+        return False
+
+
+@functools.cache
+def converted(name: str) -> Path:
+    """A bundle of model_zoo's ``name`` with batch 1:2:4 (tabular: with an engine where possible).
+
+    Converted by the CLI in a subprocess, as users do: an in-process TensorRT build would
+    register our plugin library in this process, and other tests register their own build.
+    """
+    import model_zoo
+
+    torch.manual_seed(0)
+    weights = _WORK / f"{name}.pt"
+    torch.save(randomize_batch_norm(getattr(model_zoo, name)(), seed=1).state_dict(), weights)
+    engine = ["--backend", "all", "--trt-targets", "8.6,12.0"] if name == "tabular" and _has_tensorrt() else []
+    command = [sys.executable, "-m", "deploykit", "convert", weights, "--factory", f"model_zoo:{name}",
+               "--input", MODELS[name], "--batch", "1:2:4", "-o", _WORK / name, *engine]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr
+    return _WORK / name
+
+
+def copy_bundle(name: str, destination: Path) -> Path:
+    return Path(shutil.copytree(converted(name), destination / name))
+
+
+def edit_manifest(bundle: Path, change) -> None:
+    path = bundle / "manifest.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.fixture(scope="module")
+def tabular() -> Path:
+    return converted("tabular")
+
+
+@pytest.fixture(scope="module")
+def features() -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((3, 13), dtype=np.float32)
+
+
+def plain_ort(bundle: Path, feeds: dict) -> list[np.ndarray]:
+    """The bundle's graph in ONNX Runtime without our library (its ONNX functions)."""
+    return ort.InferenceSession(str(bundle / "model.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def test_runs_numpy_with_op_library(tabular, features):
+    runner = deploykit.load(tabular, device="cpu")
+    assert runner.describe()["op_library"] == "libdeploykit_ort.so" and runner.backend == "onnxruntime"
+    outputs = runner.run({"features": features})
+    assert list(outputs) == ["output_0", "output_1"] == runner.output_names
+    for got, want in zip(outputs.values(), plain_ort(tabular, {"features": features})):
+        assert isinstance(got, np.ndarray)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_tensors_in_torch_tensors_out(tabular, features):
+    runner = deploykit.load(tabular, device="cpu")
+    by_numpy = runner(features)  # one bare array for a one-input model
+    by_torch = runner(features=torch.from_numpy(features))
+    assert all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in by_torch.values())
+    for name in runner.output_names:
+        np.testing.assert_array_equal(by_torch[name].numpy(), by_numpy[name])
+
+
+def test_three_dimensional_input_any_batch():
+    bundle = converted("transformer_mlp")
+    tokens = np.random.default_rng(1).standard_normal((5, 9, 40), dtype=np.float32)
+    (want,) = plain_ort(bundle, {"tokens": tokens})
+    np.testing.assert_allclose(deploykit.load(bundle, "onnxruntime", "cpu")(tokens)["output"], want, atol=1e-5)
+
+
+@pytest.mark.parametrize("feeds, message", [
+    ({"features": np.zeros((2, 13))}, "is float64, the model takes float32"),
+    ({"feature": np.zeros((2, 13), np.float32)}, "no input named feature; the model takes features"),
+    ({"features": np.zeros((2, 12), np.float32)}, "has shape 2x12, the model takes batchx13"),
+    ({"features": np.zeros(13, np.float32)}, "has shape 13"),
+    ({}, "missing features"),
+])
+def test_bad_inputs_are_named(tabular, feeds, message):
+    with pytest.raises(BadInputError, match=message):
+        deploykit.load(tabular, device="cpu").run(feeds)
+
+
+def test_failed_validation_refused_unless_allowed(tmp_path, features):
+    bundle = copy_bundle("tabular", tmp_path)
+    edit_manifest(bundle, lambda m: m["validation"].update(passed=False))
+    with pytest.raises(ValidationFailed, match="failed validation.*allow_failed=True") as error:
+        deploykit.load(bundle, device="cpu")
+    assert error.value.exit_code == 1
+    assert deploykit.load(bundle, device="cpu", allow_failed=True)(features)["output_0"].shape == (3, 4)
+
+
+def test_changed_file_refused(tmp_path, features):
+    bundle = copy_bundle("tabular", tmp_path)
+    (bundle / "model.onnx").write_bytes((bundle / "model.onnx").read_bytes() + b"\0")
+    with pytest.raises(BadInputError, match="model.onnx differs from the file deploykit validated"):
+        deploykit.load(bundle, device="cpu")
+    (bundle / "libdeploykit_ort.so").unlink()
+    with pytest.raises(BadInputError, match="libdeploykit_ort.so is missing"):
+        deploykit.load(bundle, device="cpu", verify=False)
+
+
+def test_unloadable_op_library_explained(tmp_path, features):
+    bundle = copy_bundle("tabular", tmp_path)
+    library = bundle / "libdeploykit_ort.so"
+    library.write_bytes(b"not an ELF file")
+    edit_manifest(bundle, lambda m: m["files"]["libdeploykit_ort.so"].update(
+        sha256=runtime.sha256_of(library)))
+    with pytest.raises(EnvironmentProblem, match="cannot load libdeploykit_ort.so.*op_library=False"):
+        deploykit.load(bundle, device="cpu")
+    runner = deploykit.load(bundle, device="cpu", op_library=False)
+    assert runner.notes == ["op library not loaded: deploykit ops run as their ONNX functions"] and not runner.warnings
+    (want, _) = plain_ort(bundle, {"features": features})
+    np.testing.assert_allclose(runner(features)["output_0"], want, atol=1e-6)
+
+
+def test_other_onnxruntime_version_is_a_warning(tmp_path):
+    bundle = copy_bundle("tabular", tmp_path)
+    edit_manifest(bundle, lambda m: m["versions"].update(onnxruntime="1.20.0"))
+    with pytest.warns(RuntimeWarning, match="validated with onnxruntime 1.20.0, running"):
+        deploykit.load(bundle, device="cpu")
+
+
+def test_not_a_bundle_and_newer_format(tmp_path):
+    with pytest.raises(BadInputError, match="not a deploykit bundle"):
+        deploykit.load(tmp_path)
+    bundle = copy_bundle("tabular", tmp_path)
+    edit_manifest(bundle, lambda m: m.update(format_version=99))
+    with pytest.raises(EnvironmentProblem, match="newer deploykit"):
+        deploykit.load(bundle)
+
+
+def test_bad_backend_and_device(tabular):
+    with pytest.raises(BadInputError, match="backend 'tflite'"):
+        deploykit.load(tabular, backend="tflite")
+    with pytest.raises(BadInputError, match="use auto, cpu, cuda or cuda:N"):
+        deploykit.load(tabular, device="gpu")
+    with pytest.raises(EnvironmentProblem, match="no CUDAExecutionProvider: .*onnxruntime-gpu"):
+        if runtime.ort_has_cuda():
+            pytest.skip("onnxruntime-gpu is installed")
+        deploykit.load(tabular, backend="onnxruntime", device="cuda")
+
+
+def test_engine_choice_on_a_machine_without_gpu(tabular):
+    manifest = json.loads((tabular / "manifest.json").read_text())
+    if not manifest["engines"]:
+        pytest.skip("no TensorRT here: the bundle has no engine")
+    if runtime._has_gpu():
+        pytest.skip("this machine has a GPU")
+    runner = deploykit.load(tabular)  # auto: the engine cannot run here, ONNX Runtime does
+    assert runner.backend == "onnxruntime"
+    assert any("TensorRT engine not used" in note and "need an NVIDIA GPU" in note for note in runner.notes)
+    with pytest.raises(EnvironmentProblem, match="cannot run model.fp32.sm86_sm120.engine here"):
+        deploykit.load(tabular, backend="tensorrt")
+    with pytest.raises(BadInputError, match="TensorRT runs on the GPU only"):
+        deploykit.load(tabular, backend="tensorrt", device="cpu")
+
+
+ENGINE = {"file": "m.engine", "flavour": "tensorrt-rtx", "version": "1.7.1.116", "targets": ["8.6", "12.0"]}
+RTX_TARGETS = ("7.5", "8.0", "8.6", "8.9", "12.0", "12.1")
+
+
+@pytest.mark.parametrize("installed, gpus, expected", [
+    (("1.7.1.116", RTX_TARGETS), (("RTX 4090", "8.9"),), "built for compute capability 8.6, 12.0.*is 8.9"),
+    (("1.7.1.116", RTX_TARGETS), (("NVIDIA H200", "9.0"),), "does not run on compute capability 9.0 .*pip install tensorrt"),
+    (("1.8.0.1", RTX_TARGETS), (("RTX A6000", "8.6"),), "built with TensorRT-RTX 1.7.1.116 and this machine has 1.8.0.1"),
+    ((None, None), (("RTX A6000", "8.6"),), "not installed: pip install tensorrt-rtx-cu13-libs==1.7.1.116"),
+    (("1.7.1.116", RTX_TARGETS), "no NVIDIA driver here", "need an NVIDIA GPU and no NVIDIA driver here"),
+    (("1.7.1.116", RTX_TARGETS), (("RTX A6000", "8.6"),), None),
+])
+def test_engine_problem(installed, gpus, expected):
+    problem = runtime.engine_problem(ENGINE, installed, gpus)
+    assert problem is None if expected is None else re.search(expected, problem), problem
+
+
+def test_full_tensorrt_engine_on_hopper_is_fine():
+    entry = {**ENGINE, "flavour": "tensorrt", "version": "10.14.1", "targets": ["9.0"]}
+    assert runtime.engine_problem(entry, ("10.14.1", None), (("NVIDIA H200", "9.0"),)) is None
+
+
+class FakeCudaArray:
+    """Any CUDA array library's object (CuPy, Numba) as the runtime sees it."""
+
+    def __init__(self, shape, typestr="<f4"):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (1234, False),
+                                         "strides": None, "version": 3}
+
+
+def test_cuda_array_interface_inputs(tabular):
+    feed = runtime.as_feed("features", FakeCudaArray((2, 13)))
+    assert feed.on_device and feed.pointer == 1234 and feed.shape == (2, 13) and feed.dtype == np.float32
+    with pytest.raises(BadInputError, match="CUDA array but this runner runs on the CPU"):
+        deploykit.load(tabular, device="cpu").run(features=FakeCudaArray((2, 13)))
+    array = runtime.DeviceArray(99, (2, 3), np.float16)
+    assert array.__cuda_array_interface__["typestr"] == "<f2" and array.nbytes == 12
+
+
+def test_cuda_python_memory_reports_a_missing_driver():
+    if runtime._has_gpu():
+        pytest.skip("this machine has a GPU")
+    pytest.importorskip("cuda.bindings")
+    with pytest.raises(EnvironmentProblem, match="CUDA cudaSetDevice\\(0\\) failed"):
+        runtime.CudaPythonMemory(0)
+
+
+def test_random_inputs_and_npz(tmp_path, tabular):
+    specs = deploykit.load(tabular, device="cpu").inputs
+    assert runtime.random_inputs(specs)["features"].shape == (2, 13)  # the optimum batch
+    assert runtime.random_inputs(specs, batch=4)["features"].shape == (4, 13)
+    np.savez(tmp_path / "x.npz", features=np.ones((3, 13)))
+    assert runtime.bundle_feeds(specs, tmp_path / "x.npz")["features"].dtype == np.float32
+    np.savez(tmp_path / "y.npz", other=np.ones((3, 13)))
+    with pytest.raises(BadInputError, match="lacks features"):
+        runtime.bundle_feeds(specs, tmp_path / "y.npz")
+
+
+def test_runs_without_torch(tabular):
+    """The runtime needs numpy and ONNX Runtime only: torch is blocked from importing here."""
+    code = ("import sys; sys.modules['torch'] = None; import numpy, deploykit; "
+            f"r = deploykit.load({str(tabular)!r}, device='cpu'); "
+            "print(r(numpy.ones((2, 13), 'float32'))['output_1'].shape, 'torch' in sys.modules and sys.modules['torch'])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "(2, 16) None", result.stderr
+
+
+def test_output_shapes_follow_the_inputs(tabular, features):
+    """What IOBinding preallocates on a GPU: output shapes from the inputs' symbolic sizes."""
+    runner = deploykit.load(tabular, device="cpu")
+    given = runtime.collect_feeds({"features": features}, {}, runner.inputs)
+    assert runner._output_shapes(given) == [(3, 4), (3, 16)]
+
+
+# --------------------------------------------------------------------------- on a GPU
+
+
+def _cuda_runner(bundle: Path, backend: str):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU and a CUDA build of torch")
+    try:
+        return deploykit.load(bundle, backend=backend, device="cuda")
+    except EnvironmentProblem as problem:
+        pytest.skip(str(problem))
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_stay_on_the_gpu(tabular, features):
+    """ONNX Runtime's CUDA EP through IOBinding. (The TensorRT path needs a bundle with an
+    engine and a GPU that TensorRT runs on; no machine here has both.)"""
+    runner = _cuda_runner(tabular, "onnxruntime")
+    outputs = runner(features=torch.from_numpy(features).cuda())
+    assert all(t.is_cuda for t in outputs.values())
+    reference = deploykit.load(tabular, device="cpu")(features)
+    for name, tensor in outputs.items():
+        np.testing.assert_allclose(tensor.cpu().numpy(), reference[name], rtol=1e-3, atol=1e-3)
+    assert isinstance(runner(features)["output_0"], np.ndarray)
