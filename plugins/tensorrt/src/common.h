@@ -87,6 +87,27 @@ class PluginBase : public nvinfer1::IPluginV3,
   std::string mConfigText;
 };
 
+// Shared by both creators: name, version, name space and the fields the ONNX parser may pass.
+class CreatorBase : public nvinfer1::IPluginCreatorV3One {
+ public:
+  // `fields` must outlive the creator (the creators are function-local statics).
+  CreatorBase(char const* name, nvinfer1::PluginField* fields, int32_t nbFields) : mName(name) {
+    mFieldCollection.nbFields = nbFields;
+    mFieldCollection.fields = fields;
+  }
+
+  char const* getPluginName() const noexcept override { return mName; }
+  char const* getPluginVersion() const noexcept override { return kPluginVersion; }
+  char const* getPluginNamespace() const noexcept override { return kPluginNamespace; }
+  nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override {
+    return &mFieldCollection;
+  }
+
+ private:
+  char const* mName;
+  nvinfer1::PluginFieldCollection mFieldCollection;
+};
+
 nvinfer1::IPluginCreatorInterface* fusedBatchNormCreator();
 nvinfer1::IPluginCreatorInterface* matMulReluCreator();
 

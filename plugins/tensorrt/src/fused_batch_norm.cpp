@@ -121,21 +121,9 @@ class FusedBatchNormPlugin final : public PluginBase {
   nvinfer1::PluginFieldCollection mFields;
 };
 
-class FusedBatchNormCreator final : public nvinfer1::IPluginCreatorV3One {
+class FusedBatchNormCreator final : public CreatorBase {
  public:
-  FusedBatchNormCreator() {
-    mFieldNames[0] = nvinfer1::PluginField(kActivationField, nullptr,
-                                           nvinfer1::PluginFieldType::kCHAR, 0);
-    mFieldCollection.nbFields = 1;
-    mFieldCollection.fields = mFieldNames;
-  }
-
-  char const* getPluginName() const noexcept override { return kName; }
-  char const* getPluginVersion() const noexcept override { return kPluginVersion; }
-  char const* getPluginNamespace() const noexcept override { return kPluginNamespace; }
-  nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override {
-    return &mFieldCollection;
-  }
+  FusedBatchNormCreator() : CreatorBase(kName, mFields, 1) {}
 
   nvinfer1::IPluginV3* createPlugin(char const* name, nvinfer1::PluginFieldCollection const* fc,
                                     nvinfer1::TensorRTPhase phase) noexcept override {
@@ -168,8 +156,8 @@ class FusedBatchNormCreator final : public nvinfer1::IPluginCreatorV3One {
   }
 
  private:
-  nvinfer1::PluginField mFieldNames[1];
-  nvinfer1::PluginFieldCollection mFieldCollection;
+  nvinfer1::PluginField mFields[1] = {
+      nvinfer1::PluginField(kActivationField, nullptr, nvinfer1::PluginFieldType::kCHAR, 0)};
 };
 
 }  // namespace

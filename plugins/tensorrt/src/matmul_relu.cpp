@@ -132,19 +132,9 @@ class MatMulReluPlugin final : public PluginBase {
   nvinfer1::PluginFieldCollection mFields;
 };
 
-class MatMulReluCreator final : public nvinfer1::IPluginCreatorV3One {
+class MatMulReluCreator final : public CreatorBase {
  public:
-  MatMulReluCreator() {
-    mFieldCollection.nbFields = 0;
-    mFieldCollection.fields = nullptr;
-  }
-
-  char const* getPluginName() const noexcept override { return kName; }
-  char const* getPluginVersion() const noexcept override { return kPluginVersion; }
-  char const* getPluginNamespace() const noexcept override { return kPluginNamespace; }
-  nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override {
-    return &mFieldCollection;
-  }
+  MatMulReluCreator() : CreatorBase(kName, nullptr, 0) {}
 
   nvinfer1::IPluginV3* createPlugin(char const* name, nvinfer1::PluginFieldCollection const* fc,
                                     nvinfer1::TensorRTPhase phase) noexcept override {
@@ -162,9 +152,6 @@ class MatMulReluCreator final : public nvinfer1::IPluginCreatorV3One {
       return nullptr;
     }
   }
-
- private:
-  nvinfer1::PluginFieldCollection mFieldCollection;
 };
 
 }  // namespace
