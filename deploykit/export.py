@@ -20,7 +20,6 @@ from deploykit.errors import BadInputError
 from deploykit.loading import LoadedModel
 from deploykit.specs import BatchRange
 
-EXPORTERS = ("auto", "dynamo", "torchscript")
 DEFAULT_OPSET = 18
 #: Patterns that name the operator an exporter could not translate, most specific first.
 _OPERATOR_PATTERNS = (

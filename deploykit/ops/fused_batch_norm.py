@@ -48,9 +48,3 @@ def function(activation: str, opset: int):
         [helper.make_opsetid("", opset)], attributes=["activation"],
     )
     return function_from_proto(proto)
-
-
-def reference(x: np.ndarray, scale: np.ndarray, bias: np.ndarray, activation: str) -> np.ndarray:
-    shape = (1, -1) + (1,) * (x.ndim - 2)
-    y = x * scale.reshape(shape) + bias.reshape(shape)
-    return np.maximum(y, 0) if activation == "relu" else y

@@ -6,7 +6,6 @@ body then has one form, and the kernels' ReLU+bias epilogue costs the same as Re
 
 from __future__ import annotations
 
-import numpy as np
 from onnx import helper
 
 from deploykit.ops import DOMAIN, function_from_proto
@@ -22,8 +21,3 @@ def function(opset: int):
     ]
     proto = helper.make_function(DOMAIN, OP_TYPE, ["A", "B", "bias"], ["Y"], nodes, [helper.make_opsetid("", opset)])
     return function_from_proto(proto)
-
-
-def reference(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    y = a @ b
-    return np.maximum(y + bias if bias is not None else y, 0)

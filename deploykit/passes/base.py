@@ -16,10 +16,6 @@ class PassStats:
     nodes_before: int
     nodes_after: int
 
-    @property
-    def total(self) -> int:
-        return sum(self.changes.values())
-
     def to_json(self) -> dict:
         return {
             "name": self.name,
