@@ -1,15 +1,21 @@
 """``deploykit bench``: latency and throughput of a bundle's backends side by side, per batch size.
 
-Each contender (PyTorch eager, torch.compile, ONNX Runtime on the plain export, on deploykit's
-graph with its ONNX functions and with our op library, with CUDA graphs, TensorRT) turns a
-feed set into a zero-argument step that runs one inference to completion; the same loop
-times every step after a warm-up. What cannot run here is listed with the reason instead of
-silently missing from the table. Inputs live where the backend runs (CUDA tensors on a GPU),
-so the numbers measure inference, not host copies.
+Each contender (PyTorch eager and torch.compile, in fp32 and in the bundle's reduced precision,
+ONNX Runtime on the plain export, on deploykit's graph with its ONNX functions and with our op
+library, with CUDA graphs, TensorRT) turns a feed set into a zero-argument step that runs one
+inference to completion; the same loop times every step after a warm-up. What cannot run here is
+listed with the reason instead of silently missing from the table. Inputs live where the backend
+runs (CUDA tensors on a GPU), so the numbers measure inference, not host copies.
+
+On a GPU every contender runs on one bench stream (ONNX Runtime through its
+``user_compute_stream``) and each call is timed by CUDA events recorded on that stream before
+and after it: the latency of one synchronous inference, launch gaps included.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import datetime
 import functools
@@ -52,6 +58,7 @@ class Contender:
     setup: Callable[[], Callable[[dict], Step]] | None = None
     reason: str = ""
     failed: bool = False
+    inputs: list[dict] | None = None  # input specs when it runs another bundle than the benched one
 
 
 @dataclasses.dataclass
@@ -83,29 +90,54 @@ def load_source(bundle: runtime.Bundle, model: Path | None, factory: str | None,
 # --------------------------------------------------------------------------- contenders
 
 
-KEYS = ("pytorch", "torch-compile", "ort-plain", "ort-functions", "ort-deploykit", "ort-cuda-graph", "tensorrt")
+REDUCED = ("fp16", "bf16")
+KEYS = ("pytorch", "torch-compile", *(f"{key}-{p}" for p in REDUCED for key in ("pytorch", "torch-compile")),
+        "ort-plain", "ort-functions", "ort-deploykit", "ort-cuda-graph", "baseline", "baseline-cuda-graph", "tensorrt")
 
 
-def contenders(bundle: runtime.Bundle, device: str, source: SourceModel, plain_onnx: Path | None = None,
-               export_plain: bool = False, only: set[str] | None = None) -> list[Contender]:
+def contenders(bundle: runtime.Bundle, device: str, source: SourceModel, *, plain_onnx: Path | None = None,
+               export_plain: bool = False, baseline: runtime.Bundle | None = None,
+               only: set[str] | None = None) -> list[Contender]:
     """Everything bench compares, in a fixed order; skipped ones carry their reason.
 
     Backends are built one at a time when measured and dropped after: an idle ONNX Runtime
-    thread pool next to torch's threads would slow both on a small machine.
+    thread pool next to torch's threads would slow both on a small machine. Only the plain
+    export is made here, while the source model is still untouched by any contender.
+    ``baseline`` is another bundle of the same model (say the fp32 one beside an fp16 one),
+    timed in ONNX Runtime in the same run.
     """
     graph = "ONNX Runtime: deploykit graph" + (" + op library" if bundle.op_library else "")
+    precision = bundle.manifest.get("precision", "fp32")
     plans = [
         ("pytorch", "PyTorch eager", lambda: _eager(source, device)),
         ("torch-compile", "torch.compile", lambda: _compiled(source, device)),
+    ]
+    if precision in REDUCED:  # the fair PyTorch baseline for a reduced-precision bundle
+        plans += [
+            (f"pytorch-{precision}", f"PyTorch eager, {precision}", lambda: _eager(source, device, precision)),
+            (f"torch-compile-{precision}", f"torch.compile, {precision}", lambda: _compiled(source, device, precision)),
+        ]
+    plans += [
         ("ort-plain", "ONNX Runtime: plain export", lambda: _plain(bundle, device, source, plain_onnx, export_plain)),
         ("ort-functions", "ONNX Runtime: deploykit graph, ONNX functions", lambda: _ort(bundle, device, False)),
         ("ort-deploykit", graph, lambda: _ort(bundle, device, True)),
         ("ort-cuda-graph", "ONNX Runtime: deploykit graph, CUDA graph", lambda: _ort_cuda_graph(bundle, device)),
-        ("tensorrt", "TensorRT engine", lambda: _tensorrt(bundle, device)),
     ]
+    if baseline is not None:
+        name = f"{baseline.path.name} ({baseline.manifest.get('precision', 'fp32')})"
+        plans += [
+            ("baseline", f"ONNX Runtime: baseline bundle {name}", lambda: _ort(baseline, device, True)),
+            ("baseline-cuda-graph", f"ONNX Runtime: baseline bundle {name}, CUDA graph",
+             lambda: _ort_cuda_graph(baseline, device)),
+        ]
+    plans.append(("tensorrt", "TensorRT engine", lambda: _tensorrt(bundle, device)))
     if not bundle.op_library:  # without our ops the two deploykit-graph contenders are the same
         plans = [plan for plan in plans if plan[0] != "ort-functions"]
-    return [_contender(key, label, plan, only) for key, label, plan in plans]
+    found = [_contender(key, label, plan, only) for key, label, plan in plans]
+    for contender in found:
+        if contender.key.startswith("baseline"):
+            contender.inputs = baseline.inputs
+    return found
 
 
 def _contender(key: str, label: str, plan, only: set[str] | None) -> Contender:
@@ -133,16 +165,26 @@ def _synchronize(device: str) -> Callable[[], None]:
     return lambda: None
 
 
-def fp32_feeds(feeds: dict) -> dict:
-    """The source model is fp32: a bundle converted with fp16/bf16 inputs gets its floats widened."""
-    return {name: a.astype(np.float32) if a.dtype.kind == "f" else a for name, a in feeds.items()}
+def cast_feeds(feeds: dict, precision: str = "fp32") -> dict:
+    """Floating inputs in the precision PyTorch runs in (a bundle may take fp16 inputs, the source model fp32)."""
+    import torch
+
+    dtype = torch_dtype(precision)
+    return {name: torch.from_numpy(a.astype(np.float32)).to(dtype) if a.dtype.kind == "f" else torch.from_numpy(a)
+            for name, a in feeds.items()}
 
 
-def _module_step(module, device: str) -> Callable[[dict], Step]:
+def torch_dtype(precision: str):
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+
+
+def _module_step(module, device: str, precision: str) -> Callable[[dict], Step]:
     def prepare(feeds: dict) -> Step:
         import torch
 
-        args, sync = _torch_feeds(fp32_feeds(feeds), device), _synchronize(device)
+        args, sync = [t.to(device) for t in cast_feeds(feeds, precision).values()], _synchronize(device)
 
         def step():
             with torch.inference_mode():
@@ -155,15 +197,23 @@ def _module_step(module, device: str) -> Callable[[dict], Step]:
     return prepare
 
 
-def _eager(source: SourceModel, device: str):
-    if source.loaded is None:
-        return source.reason
-    return lambda: _module_step(source.loaded.module.to(device), device)
+def _module_copy(source: SourceModel, device: str, precision: str):
+    """A copy of the source model on ``device`` in ``precision``: the source itself stays as loaded."""
+    return copy.deepcopy(source.loaded.module).to(device=device, dtype=torch_dtype(precision))
 
 
-def _compiled(source: SourceModel, device: str):
+def _eager(source: SourceModel, device: str, precision: str = "fp32"):
     if source.loaded is None:
         return source.reason
+    if precision != "fp32" and device != "cuda":
+        return f"PyTorch {precision} is measured on the GPU only (the CPU is not where it would be deployed)"
+    return lambda: _module_step(_module_copy(source, device, precision), device, precision)
+
+
+def _compiled(source: SourceModel, device: str, precision: str = "fp32"):
+    reason = _eager(source, device, precision)
+    if isinstance(reason, str):
+        return reason
     if source.loaded.kind == "torchscript":
         return "torch.compile does not take TorchScript modules"
 
@@ -171,43 +221,56 @@ def _compiled(source: SourceModel, device: str):
         import torch
 
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "no CUDA runtime" on CPU machines
-        return _module_step(torch.compile(source.loaded.module.to(device)), device)
+        return _module_step(torch.compile(_module_copy(source, device, precision)), device, precision)
 
     return setup
 
 
 def _plain(bundle, device, source: SourceModel, plain_onnx: Path | None, export_plain: bool):
+    """The plain export is made now, at planning time, from the source model as loaded."""
     if plain_onnx is None and not export_plain:
         return "the bundle keeps only deploykit's graph; pass --plain-onnx FILE, or --export-plain to re-export the source model"
     if plain_onnx is None and source.loaded is None:
         return f"--export-plain needs the source model: {source.reason}"
-    return _ort(bundle, device, False, lambda: Path(plain_onnx) if plain_onnx else export_plain_onnx(bundle, source.loaded))
+    model = Path(plain_onnx) if plain_onnx else export_plain_onnx(bundle, source.loaded)
+    return _ort(bundle, device, False, model)
 
 
 def export_plain_onnx(bundle: runtime.Bundle, loaded) -> Path:
-    """Re-export the source model as the bundle was exported (no deploykit passes), to a temp file."""
+    """Re-export the source model as the bundle was exported (no deploykit passes), to a temp file
+    that lives as long as this process."""
     import onnx
-    import torch
 
     from deploykit.export import export_onnx
     from deploykit.specs import BatchRange
 
     dynamic = runtime.batch_sizes(bundle.inputs)
     example = runtime.random_inputs(bundle.inputs, max(2, dynamic[1]) if dynamic else None, seed=1234)
-    exported = export_onnx(loaded, {k: torch.from_numpy(v) for k, v in example.items()},
-                           [o["name"] for o in bundle.outputs], BatchRange(*dynamic) if dynamic else None,
+    exported = export_onnx(loaded, cast_feeds(example), [o["name"] for o in bundle.outputs],
+                           BatchRange(*dynamic) if dynamic else None,
                            bundle.manifest["opset"], bundle.manifest.get("exporter", "auto"))
-    path = Path(tempfile.mkdtemp(prefix="deploykit-bench-")) / "plain.onnx"
+    folder = tempfile.TemporaryDirectory(prefix="deploykit-bench-")
+    _TEMPORARY.append(folder)
+    path = Path(folder.name) / "plain.onnx"
     onnx.save_model(exported.model, path)
     return path
 
 
-def _ort(bundle, device, op_library: bool, model=lambda: None):
+_TEMPORARY: list[tempfile.TemporaryDirectory] = []  # removed when the process ends
+
+
+def _bench_stream(device: str) -> int | None:
+    """The stream ONNX Runtime must run on to be timed: torch's current one, which is the bench stream."""
+    return runtime.TorchMemory(0).stream() if device == "cuda" else None
+
+
+def _ort(bundle, device, op_library: bool, model: Path | None = None):
     if device == "cuda" and not runtime.ort_has_cuda():
         return f"onnxruntime has no {runtime.CUDA_EP} (pip install onnxruntime-gpu)"
 
     def setup():
-        runner = runtime.OnnxRuntimeBundleRunner(bundle, device, op_library=op_library, model=model())
+        runner = runtime.OnnxRuntimeBundleRunner(bundle, device, op_library=op_library, model=model,
+                                                 stream=_bench_stream(device))
 
         def prepare(feeds: dict) -> Step:
             given = dict(zip(feeds, _torch_feeds(feeds, device))) if device == "cuda" else feeds
@@ -227,7 +290,7 @@ def _ort_cuda_graph(bundle, device):
 def cuda_graph_step(bundle: runtime.Bundle, feeds: dict) -> Step:
     """A session per batch size with CUDA graphs on: ORT captures the first run and replays it,
     which needs inputs and outputs at fixed device addresses (IOBinding)."""
-    runner = runtime.OnnxRuntimeBundleRunner(bundle, "cuda", cuda_graph=True)
+    runner = runtime.OnnxRuntimeBundleRunner(bundle, "cuda", cuda_graph=True, stream=_bench_stream("cuda"))
     memory = runtime.TorchMemory(0)
     given = {name: runtime.as_feed(name, memory.to_device(array)) for name, array in feeds.items()}
     binding = runner.session.io_binding()
@@ -274,17 +337,53 @@ def _tensorrt(bundle: runtime.Bundle, device: str):
 # --------------------------------------------------------------------------- measuring
 
 
+TIMING = {"cpu": "host clock around each call",
+          "cuda": "CUDA events on the bench stream before and after each synchronous call"}
+
+
+def call_timer(device: str) -> Callable[[Step], float]:
+    """Seconds one call of a step takes: CUDA events on the current (bench) stream on a GPU, where
+    every contender's work is queued, else the host clock."""
+    if device != "cuda":
+        def host_clock(step: Step) -> float:
+            start = time.perf_counter()
+            step()
+            return time.perf_counter() - start
+
+        return host_clock
+    import torch
+
+    def cuda_events(step: Step) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    return cuda_events
+
+
+@contextlib.contextmanager
+def bench_stream(device: str):
+    """On a GPU, one non-default stream for every contender (ONNX Runtime's sessions are given it)."""
+    if device != "cuda":
+        yield
+        return
+    import torch
+
+    with torch.cuda.stream(torch.cuda.Stream()):
+        yield
+
+
 def measure(step: Step, settings: Settings) -> list[float]:
     """Seconds per call after ``warmup`` calls; at least 5 calls, then stop at ``max_seconds``."""
     for _ in range(settings.warmup):
         step()
-    times, deadline = [], time.perf_counter() + settings.max_seconds
+    timer, times, deadline = call_timer(settings.device), [], time.perf_counter() + settings.max_seconds
     for index in range(settings.iterations):
-        start = time.perf_counter()
-        step()
-        end = time.perf_counter()
-        times.append(end - start)
-        if end > deadline and index >= 4:
+        times.append(timer(step))
+        if time.perf_counter() > deadline and index >= 4:
             break
     return times
 
@@ -322,7 +421,7 @@ def bench_contender(contender: Contender, settings: Settings, specs: list[dict],
         entry["setup_s"] = time.perf_counter() - start
         for batch in settings.batch_sizes:
             tick(f"{contender.label}, batch {batch}")
-            step = prepare(runtime.random_inputs(specs, batch, settings.seed))
+            step = prepare(runtime.random_inputs(contender.inputs or specs, batch, settings.seed))
             start = time.perf_counter()
             step()  # first call: compilation, graph capture, lazy initialisation
             first = time.perf_counter() - start
@@ -348,13 +447,15 @@ def batch_plan(bundle: runtime.Bundle, requested: list[int] | None) -> list[int]
 
 def run_benchmark(bundle: runtime.Bundle, settings: Settings, found: list[Contender], tick=lambda text: None) -> dict:
     """Measure every contender and return bench.json's content."""
-    entries = [bench_contender(c, settings, bundle.inputs, tick) for c in found]
+    with bench_stream(settings.device):
+        entries = [bench_contender(c, settings, bundle.inputs, tick) for c in found]
     add_ratios(entries)
     return {
         "bundle": str(bundle.path),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": settings.device,
         "settings": dataclasses.asdict(settings),
+        "timing": TIMING[settings.device],
         "versions": tool_versions(),
         "contenders": entries,
     }

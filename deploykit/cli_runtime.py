@@ -174,10 +174,13 @@ def _source_options(function):
 @click.option("--plain-onnx", type=click.Path(path_type=Path, exists=True, dir_okay=False),
               help="A plain torch.onnx export of the model, to time against deploykit's graph.")
 @click.option("--export-plain", is_flag=True, help="Re-export the source model for the plain-export contender.")
+@click.option("--baseline", "baseline", type=BUNDLE,
+              help="Another bundle of the same model (say the fp32 one) to time in ONNX Runtime in the same run.")
 @click.option("--batch", "batches", metavar="N,N,...", help="Batch sizes (default: the bundle's MIN, OPT, MAX).")
 @click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda", help="Where everything runs.")
-@click.option("--only", metavar="KEY,KEY", help="Contenders to run: pytorch, torch-compile, ort-plain, ort-functions, "
-              "ort-deploykit, ort-cuda-graph, tensorrt (default: all that can run).")
+@click.option("--only", metavar="KEY,KEY", help="Contenders to run: pytorch, torch-compile, pytorch-fp16, "
+              "torch-compile-fp16 (and -bf16), ort-plain, ort-functions, ort-deploykit, ort-cuda-graph, baseline, "
+              "baseline-cuda-graph, tensorrt (default: all that can run).")
 @click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True, help="Untimed calls first.")
 @click.option("--iterations", type=click.IntRange(min=1), default=100, show_default=True, help="Timed calls.")
 @click.option("--max-seconds", type=click.FloatRange(min=0.1), default=20.0, show_default=True,
@@ -187,8 +190,8 @@ def _source_options(function):
               help="Where bench.json and bench.png go (default: the bundle).")
 @click.option("--json", "as_json", is_flag=True, help="Print bench.json on stdout.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks.")
-def bench(bundle, model, factory, trust_pickle, plain_onnx, export_plain, batches, device, only, warmup, iterations,
-          max_seconds, allow_failed, output, as_json, verbose):
+def bench(bundle, model, factory, trust_pickle, plain_onnx, export_plain, baseline, batches, device, only, warmup,
+          iterations, max_seconds, allow_failed, output, as_json, verbose):
     """Time BUNDLE's backends side by side: latency percentiles and throughput per batch size."""
     from deploykit import benchmark, runtime
     from deploykit.bundle import write_json
@@ -201,11 +204,14 @@ def bench(bundle, model, factory, trust_pickle, plain_onnx, export_plain, batche
         selected = _parse_only(only, benchmark.KEYS)
         settings = benchmark.Settings(benchmark.batch_plan(opened, benchmark.parse_batches(batches)),
                                       benchmark.resolve_device(device), warmup, iterations, max_seconds)
-        wants_source = selected is None or bool({"pytorch", "torch-compile"} & selected) or export_plain
+        wants_source = selected is None or any(key.startswith(("pytorch", "torch-compile")) for key in selected) \
+            or export_plain
         with cli._stage_printer(quiet=as_json)("Loading the backends"):
             source = (benchmark.load_source(opened, model, factory, trust_pickle) if wants_source
                       else benchmark.SourceModel(None, "not selected (--only)"))
-            found = benchmark.contenders(opened, settings.device, source, plain_onnx, export_plain, selected)
+            found = benchmark.contenders(opened, settings.device, source, plain_onnx=plain_onnx,
+                                         export_plain=export_plain, only=selected,
+                                         baseline=runtime.open_bundle(baseline) if baseline else None)
         result = _with_progress(lambda tick: benchmark.run_benchmark(opened, settings, found, tick),
                                 sum(c.setup is not None for c in found) * (1 + len(settings.batch_sizes)), as_json)
         folder = output or bundle
@@ -269,7 +275,7 @@ def _print_bench(result: dict, folder: Path) -> None:
     if any(r["cv"] > 0.5 for entry in result["contenders"] for r in entry["results"]):
         console.print("[yellow]note:[/] some timings vary a lot (cv > 0.5): is other work running on this machine? "
                       "Use more --iterations or a quieter machine", soft_wrap=True)
-    console.print(f"Results: {folder / 'bench.json'}, plot: {folder / 'bench.png'}")
+    console.print(f"Timing: {result['timing']}. Results: {folder / 'bench.json'}, plot: {folder / 'bench.png'}")
 
 
 # --------------------------------------------------------------------------- profile

@@ -158,10 +158,10 @@ def profile_torch(loaded, feeds: dict, settings: Settings) -> dict:
     TorchScript and exported programs, which have no leaf modules to hook)."""
     import torch
 
-    from deploykit.benchmark import fp32_feeds
+    from deploykit.benchmark import cast_feeds
 
     module = loaded.module.to(settings.device)
-    args = [torch.from_numpy(array).to(settings.device) for array in fp32_feeds(feeds).values()]
+    args = [tensor.to(settings.device) for tensor in cast_feeds(feeds).values()]
     handles, labels = _hook_leaf_modules(module, settings.device == "cuda")
     activities = [torch.profiler.ProfilerActivity.CPU]
     if settings.device == "cuda":

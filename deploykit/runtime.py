@@ -473,7 +473,8 @@ class OnnxRuntimeBundleRunner(Runner):
 
     def __init__(self, bundle: Bundle, device: str = "cpu", device_id: int = 0, *, op_library: bool = True,
                  verify: bool = True, model: Path | None = None, threads: int | None = None,
-                 cuda_graph: bool = False, profile_prefix: str | None = None, notes: list[str] | None = None):
+                 cuda_graph: bool = False, stream: int | None = None, profile_prefix: str | None = None,
+                 notes: list[str] | None = None):
         import onnxruntime as ort
 
         super().__init__(bundle, device, list(notes or []))
@@ -488,7 +489,7 @@ class OnnxRuntimeBundleRunner(Runner):
         if op_library is False and bundle.op_library:
             self.notes.append("op library not loaded: deploykit ops run as their ONNX functions")
         self.model_path = Path(model) if model else bundle.file(bundle.manifest.get("model", "model.onnx"), verify)
-        self.session = self._session(options, cuda_graph)
+        self.session = self._session(options, cuda_graph, stream)
         self.provider = self.session.get_providers()[0]
         self._check_versions()
 
@@ -509,12 +510,14 @@ class OnnxRuntimeBundleRunner(Runner):
                 "(--no-op-library) to run the ONNX function fallbacks") from None
         return path
 
-    def _session(self, options, cuda_graph: bool):
+    def _session(self, options, cuda_graph: bool, stream: int | None):
         providers: list = ["CPUExecutionProvider"]
         if self.device == "cuda":
             cuda_options = {"device_id": str(self.device_id)}
             if cuda_graph:
                 cuda_options["enable_cuda_graph"] = "1"
+            if stream is not None:  # run on the caller's stream (a cudaStream_t as an integer)
+                cuda_options["user_compute_stream"] = str(stream)
             providers.insert(0, (CUDA_EP, cuda_options))
             if hasattr(self.ort, "preload_dlls"):  # cuDNN/cuBLAS from the NVIDIA wheels
                 with warnings.catch_warnings():
@@ -784,7 +787,7 @@ def load(bundle: str | Path, backend: str = "auto", device: str = "auto", *, all
     tensorrt. ``device``: auto, cpu, cuda or cuda:N. Files are checked against the manifest's
     sha256 (``verify=False`` skips it); a bundle that failed validation raises
     ValidationFailed unless ``allow_failed``. ``options`` go to the runner (ONNX Runtime:
-    threads, cuda_graph, profile_prefix). Why a backend was chosen and what differs from the
+    threads, cuda_graph, stream, profile_prefix). Why a backend was chosen and what differs from the
     conversion machine are in ``runner.notes``; the latter are also issued as warnings.
     """
     opened = open_bundle(bundle)

@@ -212,6 +212,32 @@ def test_bench_torch_compile_and_plain_onnx(tmp_path, tabular):
     assert entries["ort-plain"]["status"] == "ok", entries["ort-plain"]["reason"]
 
 
+def test_bench_export_plain_and_a_baseline_bundle(tmp_path, tabular):
+    baseline = copy_bundle("tabular", tmp_path)
+    result = cli("bench", tabular, "--factory", "model_zoo:tabular", "--model", weights_of(tabular), "--export-plain",
+                 "--baseline", baseline, "--iterations", "3", "--warmup", "1", "--batch", "3", "--device", "cpu",
+                 "--only", "pytorch,ort-plain,baseline,baseline-cuda-graph", "--json", "-o", tmp_path)
+    assert result.returncode == 0, result.stderr
+    bench = json.loads(result.stdout)
+    entries = {e["key"]: e for e in bench["contenders"]}
+    for key in ("pytorch", "ort-plain", "baseline"):
+        assert entries[key]["status"] == "ok" and entries[key]["results"][0]["batch"] == 3, entries[key]["reason"]
+    assert "baseline bundle tabular (fp32)" in entries["baseline"]["label"]
+    assert "need a GPU" in entries["baseline-cuda-graph"]["reason"]
+    assert bench["timing"] == "host clock around each call"
+
+
+def test_bench_reduced_precision_pytorch_contenders_run_on_the_gpu_only(tmp_path):
+    from deploykit import benchmark
+
+    bundle = copy_bundle("tabular", tmp_path)
+    edit_manifest(bundle, lambda m: m.update(precision="fp16"))
+    source = benchmark.load_source(open_bundle(bundle), None, "model_zoo:tabular", False)
+    found = {c.key: c for c in benchmark.contenders(open_bundle(bundle), "cpu", source)}
+    assert {"pytorch-fp16", "torch-compile-fp16"} <= found.keys() and "pytorch-bf16" not in found
+    assert found["pytorch"].setup is not None and "GPU only" in found["pytorch-fp16"].reason
+
+
 def test_bench_without_the_source_model_skips_pytorch(tmp_path):
     bundle = copy_bundle("tabular", tmp_path)
     edit_manifest(bundle, lambda m: m.update(source=str(tmp_path / "gone.pt")))

@@ -125,6 +125,9 @@ def test_convert_auto_fix_pins_the_node_feeding_layer_norm(tmp_path):
     assert fix["outputs_before"]["output"]["cosine"] < 0.9 < 0.9999 < fix["outputs_after"]["output"]["cosine"]
     assert fix["tradeoff"]["fp32_nodes"] == 2 and 0 < fix["tradeoff"]["fp32_share_of_multiply_adds"] < 1
     assert f"auto-fix pinned {embed} (Gemm)" in result.stderr
+    page = (tmp_path / "bundle" / "report.html").read_text()
+    assert "<h2>Precision: fp16</h2>" in page and "--auto-fix: passed after 1 round(s)" in page
+    assert f"<td class=\"name\">{embed}</td><td class=\"name\">Gemm</td>" in page
     typed = onnx.load(tmp_path / "bundle" / "model.onnx")
     assert {n.name: n.op_type for n in typed.graph.node}[embed] == "Gemm"
     head = [n for n in typed.graph.node if n.op_type == "Gemm" and n.name != embed]

@@ -1,0 +1,61 @@
+"""``deploykit bench`` on the GPU: every contender on one bench stream, timed by CUDA events.
+
+An fp16 bundle of model_zoo's tabular net is benched with the fp32 bundle as its baseline and
+a re-exported plain graph, so one run exercises ONNX Runtime on a caller's stream (with and
+without CUDA graphs), the fp16 PyTorch contenders and the plain export made before PyTorch
+touched the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import onnxruntime as ort
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+CUDA = "CUDAExecutionProvider"
+if CUDA not in ort.get_available_providers() or not torch.cuda.is_available():
+    pytest.skip(f"needs a GPU and onnxruntime-gpu's {CUDA}", allow_module_level=True)
+
+TESTS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(TESTS))
+import model_zoo  # noqa: E402
+
+from deploykit.testing import randomize_batch_norm  # noqa: E402
+
+
+def deploykit_cli(*args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "deploykit", *map(str, args)], env=env, capture_output=True,
+                          text=True, timeout=900)
+
+
+def test_bench_times_every_gpu_contender_with_cuda_events(tmp_path):
+    torch.manual_seed(0)
+    weights = tmp_path / "tabular.pt"
+    torch.save(randomize_batch_norm(model_zoo.tabular(), seed=2).state_dict(), weights)
+    for precision in ("fp32", "fp16"):
+        result = deploykit_cli("convert", weights, "--factory", "model_zoo:tabular", "--input", "features:1x13",
+                               "--batch", "1:4:8", "--precision", precision, "-o", tmp_path / precision)
+        assert result.returncode == 0, result.stderr
+    result = deploykit_cli("bench", tmp_path / "fp16", "--model", weights, "--factory", "model_zoo:tabular",
+                           "--export-plain", "--baseline", tmp_path / "fp32", "--device", "cuda", "--batch", "1,8",
+                           "--iterations", "20", "--warmup", "3", "--json", "-o", tmp_path)
+    assert result.returncode == 0, result.stderr
+    bench = json.loads(result.stdout)
+    assert bench["timing"].startswith("CUDA events")
+    entries = {e["key"]: e for e in bench["contenders"]}
+    expected = {"pytorch", "torch-compile", "pytorch-fp16", "torch-compile-fp16", "ort-plain", "ort-functions",
+                "ort-deploykit", "ort-cuda-graph", "baseline", "baseline-cuda-graph"}
+    assert {k for k, e in entries.items() if e["status"] == "ok"} == expected, \
+        {k: e["reason"] for k, e in entries.items() if e["status"] != "ok"}
+    for key in expected:
+        rows = entries[key]["results"]
+        assert [r["batch"] for r in rows] == [1, 8]
+        assert all(0 < r["p50_ms"] <= r["p99_ms"] < 1e3 for r in rows), (key, rows)
