@@ -45,6 +45,7 @@ class Settings:
     iterations: int = 100
     max_seconds: float = 20.0
     seed: int = 0
+    tf32: bool = False  # let fp32 matrix products round to TF32 (ONNX Runtime's and PyTorch's alike)
 
 
 @dataclasses.dataclass
@@ -95,7 +96,7 @@ KEYS = ("pytorch", "torch-compile", *(f"{key}-{p}" for p in REDUCED for key in (
         "ort-plain", "ort-functions", "ort-deploykit", "ort-cuda-graph", "baseline", "baseline-cuda-graph", "tensorrt")
 
 
-def contenders(bundle: runtime.Bundle, device: str, source: SourceModel, *, plain_onnx: Path | None = None,
+def contenders(bundle: runtime.Bundle, settings: Settings, source: SourceModel, *, plain_onnx: Path | None = None,
                export_plain: bool = False, baseline: runtime.Bundle | None = None,
                only: set[str] | None = None) -> list[Contender]:
     """Everything bench compares, in a fixed order; skipped ones carry their reason.
@@ -107,6 +108,7 @@ def contenders(bundle: runtime.Bundle, device: str, source: SourceModel, *, plai
     timed in ONNX Runtime in the same run.
     """
     graph = "ONNX Runtime: deploykit graph" + (" + op library" if bundle.op_library else "")
+    device, tf32 = settings.device, settings.tf32
     precision = bundle.manifest.get("precision", "fp32")
     plans = [
         ("pytorch", "PyTorch eager", lambda: _eager(source, device)),
@@ -118,17 +120,17 @@ def contenders(bundle: runtime.Bundle, device: str, source: SourceModel, *, plai
             (f"torch-compile-{precision}", f"torch.compile, {precision}", lambda: _compiled(source, device, precision)),
         ]
     plans += [
-        ("ort-plain", "ONNX Runtime: plain export", lambda: _plain(bundle, device, source, plain_onnx, export_plain)),
-        ("ort-functions", "ONNX Runtime: deploykit graph, ONNX functions", lambda: _ort(bundle, device, False)),
-        ("ort-deploykit", graph, lambda: _ort(bundle, device, True)),
-        ("ort-cuda-graph", "ONNX Runtime: deploykit graph, CUDA graph", lambda: _ort_cuda_graph(bundle, device)),
+        ("ort-plain", "ONNX Runtime: plain export", lambda: _plain(bundle, device, tf32, source, plain_onnx, export_plain)),
+        ("ort-functions", "ONNX Runtime: deploykit graph, ONNX functions", lambda: _ort(bundle, device, tf32, False)),
+        ("ort-deploykit", graph, lambda: _ort(bundle, device, tf32, True)),
+        ("ort-cuda-graph", "ONNX Runtime: deploykit graph, CUDA graph", lambda: _ort_cuda_graph(bundle, device, tf32)),
     ]
     if baseline is not None:
         name = f"{baseline.path.name} ({baseline.manifest.get('precision', 'fp32')})"
         plans += [
-            ("baseline", f"ONNX Runtime: baseline bundle {name}", lambda: _ort(baseline, device, True)),
+            ("baseline", f"ONNX Runtime: baseline bundle {name}", lambda: _ort(baseline, device, tf32, True)),
             ("baseline-cuda-graph", f"ONNX Runtime: baseline bundle {name}, CUDA graph",
-             lambda: _ort_cuda_graph(baseline, device)),
+             lambda: _ort_cuda_graph(baseline, device, tf32)),
         ]
     plans.append(("tensorrt", "TensorRT engine", lambda: _tensorrt(bundle, device)))
     if not bundle.op_library:  # without our ops the two deploykit-graph contenders are the same
@@ -226,14 +228,14 @@ def _compiled(source: SourceModel, device: str, precision: str = "fp32"):
     return setup
 
 
-def _plain(bundle, device, source: SourceModel, plain_onnx: Path | None, export_plain: bool):
+def _plain(bundle, device, tf32: bool, source: SourceModel, plain_onnx: Path | None, export_plain: bool):
     """The plain export is made now, at planning time, from the source model as loaded."""
     if plain_onnx is None and not export_plain:
         return "the bundle keeps only deploykit's graph; pass --plain-onnx FILE, or --export-plain to re-export the source model"
     if plain_onnx is None and source.loaded is None:
         return f"--export-plain needs the source model: {source.reason}"
     model = Path(plain_onnx) if plain_onnx else export_plain_onnx(bundle, source.loaded)
-    return _ort(bundle, device, False, model)
+    return _ort(bundle, device, tf32, False, model)
 
 
 def export_plain_onnx(bundle: runtime.Bundle, loaded) -> Path:
@@ -264,13 +266,13 @@ def _bench_stream(device: str) -> int | None:
     return runtime.TorchMemory(0).stream() if device == "cuda" else None
 
 
-def _ort(bundle, device, op_library: bool, model: Path | None = None):
+def _ort(bundle, device, tf32: bool, op_library: bool, model: Path | None = None):
     if device == "cuda" and not runtime.ort_has_cuda():
         return f"onnxruntime has no {runtime.CUDA_EP} (pip install onnxruntime-gpu)"
 
     def setup():
         runner = runtime.OnnxRuntimeBundleRunner(bundle, device, op_library=op_library, model=model,
-                                                 stream=_bench_stream(device))
+                                                 stream=_bench_stream(device), tf32=tf32)
 
         def prepare(feeds: dict) -> Step:
             given = dict(zip(feeds, _torch_feeds(feeds, device))) if device == "cuda" else feeds
@@ -281,16 +283,16 @@ def _ort(bundle, device, op_library: bool, model: Path | None = None):
     return setup
 
 
-def _ort_cuda_graph(bundle, device):
+def _ort_cuda_graph(bundle, device, tf32: bool):
     if device != "cuda" or not runtime.ort_has_cuda():
         return f"CUDA graphs need a GPU and onnxruntime-gpu's {runtime.CUDA_EP}"
-    return lambda: functools.partial(cuda_graph_step, bundle)
+    return lambda: functools.partial(cuda_graph_step, bundle, tf32)
 
 
-def cuda_graph_step(bundle: runtime.Bundle, feeds: dict) -> Step:
+def cuda_graph_step(bundle: runtime.Bundle, tf32: bool, feeds: dict) -> Step:
     """A session per batch size with CUDA graphs on: ORT captures the first run and replays it,
     which needs inputs and outputs at fixed device addresses (IOBinding)."""
-    runner = runtime.OnnxRuntimeBundleRunner(bundle, "cuda", cuda_graph=True, stream=_bench_stream("cuda"))
+    runner = runtime.OnnxRuntimeBundleRunner(bundle, "cuda", cuda_graph=True, stream=_bench_stream("cuda"), tf32=tf32)
     memory = runtime.TorchMemory(0)
     given = {name: runtime.as_feed(name, memory.to_device(array)) for name, array in feeds.items()}
     binding = runner.session.io_binding()
@@ -365,15 +367,24 @@ def call_timer(device: str) -> Callable[[Step], float]:
 
 
 @contextlib.contextmanager
-def bench_stream(device: str):
-    """On a GPU, one non-default stream for every contender (ONNX Runtime's sessions are given it)."""
+def bench_stream(device: str, tf32: bool):
+    """On a GPU, one non-default stream for every contender (ONNX Runtime's sessions are given it),
+    and PyTorch's TF32 switches set as ONNX Runtime's are, so fp32 means the same on both sides."""
     if device != "cuda":
         yield
         return
     import torch
 
-    with torch.cuda.stream(torch.cuda.Stream()):
-        yield
+    switches = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = [switch.allow_tf32 for switch in switches]
+    try:
+        for switch in switches:
+            switch.allow_tf32 = tf32
+        with torch.cuda.stream(torch.cuda.Stream()):
+            yield
+    finally:
+        for switch, value in zip(switches, saved):
+            switch.allow_tf32 = value
 
 
 def measure(step: Step, settings: Settings) -> list[float]:
@@ -447,7 +458,7 @@ def batch_plan(bundle: runtime.Bundle, requested: list[int] | None) -> list[int]
 
 def run_benchmark(bundle: runtime.Bundle, settings: Settings, found: list[Contender], tick=lambda text: None) -> dict:
     """Measure every contender and return bench.json's content."""
-    with bench_stream(settings.device):
+    with bench_stream(settings.device, settings.tf32):
         entries = [bench_contender(c, settings, bundle.inputs, tick) for c in found]
     add_ratios(entries)
     return {

@@ -185,13 +185,15 @@ def _source_options(function):
 @click.option("--iterations", type=click.IntRange(min=1), default=100, show_default=True, help="Timed calls.")
 @click.option("--max-seconds", type=click.FloatRange(min=0.1), default=20.0, show_default=True,
               help="Stop timing one contender and batch size after this long.")
+@click.option("--tf32", is_flag=True, help="Let fp32 convolutions and matrix products use TF32, in ONNX Runtime and "
+              "PyTorch alike (default: exact fp32, as validated).")
 @click.option("--allow-failed", is_flag=True, help="Benchmark a bundle whose validation failed.")
 @click.option("-o", "--output", type=click.Path(path_type=Path, file_okay=False),
               help="Where bench.json and bench.png go (default: the bundle).")
 @click.option("--json", "as_json", is_flag=True, help="Print bench.json on stdout.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks.")
 def bench(bundle, model, factory, trust_pickle, plain_onnx, export_plain, baseline, batches, device, only, warmup,
-          iterations, max_seconds, allow_failed, output, as_json, verbose):
+          iterations, max_seconds, tf32, allow_failed, output, as_json, verbose):
     """Time BUNDLE's backends side by side: latency percentiles and throughput per batch size."""
     from deploykit import benchmark, runtime
     from deploykit.bundle import write_json
@@ -203,13 +205,13 @@ def bench(bundle, model, factory, trust_pickle, plain_onnx, export_plain, baseli
         runtime.check_validation(opened, allow_failed)
         selected = _parse_only(only, benchmark.KEYS)
         settings = benchmark.Settings(benchmark.batch_plan(opened, benchmark.parse_batches(batches)),
-                                      benchmark.resolve_device(device), warmup, iterations, max_seconds)
+                                      benchmark.resolve_device(device), warmup, iterations, max_seconds, tf32=tf32)
         wants_source = selected is None or any(key.startswith(("pytorch", "torch-compile")) for key in selected) \
             or export_plain
         with cli._stage_printer(quiet=as_json)("Loading the backends"):
             source = (benchmark.load_source(opened, model, factory, trust_pickle) if wants_source
                       else benchmark.SourceModel(None, "not selected (--only)"))
-            found = benchmark.contenders(opened, settings.device, source, plain_onnx=plain_onnx,
+            found = benchmark.contenders(opened, settings, source, plain_onnx=plain_onnx,
                                          export_plain=export_plain, only=selected,
                                          baseline=runtime.open_bundle(baseline) if baseline else None)
         result = _with_progress(lambda tick: benchmark.run_benchmark(opened, settings, found, tick),

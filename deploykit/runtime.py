@@ -473,8 +473,8 @@ class OnnxRuntimeBundleRunner(Runner):
 
     def __init__(self, bundle: Bundle, device: str = "cpu", device_id: int = 0, *, op_library: bool = True,
                  verify: bool = True, model: Path | None = None, threads: int | None = None,
-                 cuda_graph: bool = False, stream: int | None = None, profile_prefix: str | None = None,
-                 notes: list[str] | None = None):
+                 cuda_graph: bool = False, stream: int | None = None, tf32: bool = False,
+                 profile_prefix: str | None = None, notes: list[str] | None = None):
         import onnxruntime as ort
 
         super().__init__(bundle, device, list(notes or []))
@@ -486,10 +486,14 @@ class OnnxRuntimeBundleRunner(Runner):
         if profile_prefix:
             options.enable_profiling, options.profile_file_prefix = True, profile_prefix
         self.library = self._register_library(options, verify) if op_library else None
+        if tf32 and device == "cuda":
+            options.add_session_config_entry("deploykit.allow_tf32", "1")  # our MatMulRelu kernel
+            self.notes.append("TF32 on: fp32 convolutions and matrix products round their inputs to 10 mantissa bits, "
+                              "which the bundle's fp32 validation did not cover")
         if op_library is False and bundle.op_library:
             self.notes.append("op library not loaded: deploykit ops run as their ONNX functions")
         self.model_path = Path(model) if model else bundle.file(bundle.manifest.get("model", "model.onnx"), verify)
-        self.session = self._session(options, cuda_graph, stream)
+        self.session = self._session(options, cuda_graph, stream, tf32)
         self.provider = self.session.get_providers()[0]
         self._check_versions()
 
@@ -510,10 +514,11 @@ class OnnxRuntimeBundleRunner(Runner):
                 "(--no-op-library) to run the ONNX function fallbacks") from None
         return path
 
-    def _session(self, options, cuda_graph: bool, stream: int | None):
+    def _session(self, options, cuda_graph: bool, stream: int | None, tf32: bool):
         providers: list = ["CPUExecutionProvider"]
         if self.device == "cuda":
-            cuda_options = {"device_id": str(self.device_id)}
+            # ORT's CUDA EP rounds fp32 Conv/MatMul to TF32 unless told not to; validation was fp32
+            cuda_options = {"device_id": str(self.device_id), "use_tf32": "1" if tf32 else "0"}
             if cuda_graph:
                 cuda_options["enable_cuda_graph"] = "1"
             if stream is not None:  # run on the caller's stream (a cudaStream_t as an integer)
@@ -787,7 +792,7 @@ def load(bundle: str | Path, backend: str = "auto", device: str = "auto", *, all
     tensorrt. ``device``: auto, cpu, cuda or cuda:N. Files are checked against the manifest's
     sha256 (``verify=False`` skips it); a bundle that failed validation raises
     ValidationFailed unless ``allow_failed``. ``options`` go to the runner (ONNX Runtime:
-    threads, cuda_graph, stream, profile_prefix). Why a backend was chosen and what differs from the
+    threads, cuda_graph, stream, tf32, profile_prefix). Why a backend was chosen and what differs from the
     conversion machine are in ``runner.notes``; the latter are also issued as warnings.
     """
     opened = open_bundle(bundle)

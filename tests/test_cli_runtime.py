@@ -233,7 +233,7 @@ def test_bench_reduced_precision_pytorch_contenders_run_on_the_gpu_only(tmp_path
     bundle = copy_bundle("tabular", tmp_path)
     edit_manifest(bundle, lambda m: m.update(precision="fp16"))
     source = benchmark.load_source(open_bundle(bundle), None, "model_zoo:tabular", False)
-    found = {c.key: c for c in benchmark.contenders(open_bundle(bundle), "cpu", source)}
+    found = {c.key: c for c in benchmark.contenders(open_bundle(bundle), benchmark.Settings([1]), source)}
     assert {"pytorch-fp16", "torch-compile-fp16"} <= found.keys() and "pytorch-bf16" not in found
     assert found["pytorch"].setup is not None and "GPU only" in found["pytorch-fp16"].reason
 

@@ -1,6 +1,7 @@
-"""``deploykit bench`` on the GPU: every contender on one bench stream, timed by CUDA events.
+"""``deploykit.load`` and ``deploykit bench`` on the GPU.
 
-An fp16 bundle of model_zoo's tabular net is benched with the fp32 bundle as its baseline and
+The runtime keeps fp32 exact in ONNX Runtime's CUDA EP (which rounds to TF32 unless told not
+to) unless asked. Bench runs every contender on one bench stream, timed by CUDA events: an fp16 bundle of model_zoo's tabular net is benched with the fp32 bundle as its baseline and
 a re-exported plain graph, so one run exercises ONNX Runtime on a caller's stream (with and
 without CUDA graphs), the fp16 PyTorch contenders and the plain export made before PyTorch
 touched the model.
@@ -14,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
@@ -27,6 +29,8 @@ TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
 import model_zoo  # noqa: E402
 
+import deploykit  # noqa: E402
+from deploykit.runtime import random_inputs  # noqa: E402
 from deploykit.testing import randomize_batch_norm  # noqa: E402
 
 
@@ -36,16 +40,35 @@ def deploykit_cli(*args) -> subprocess.CompletedProcess:
                           text=True, timeout=900)
 
 
-def test_bench_times_every_gpu_contender_with_cuda_events(tmp_path):
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory) -> Path:
+    """tabular.pt and its fp32 and fp16 bundles, batch 1..8."""
+    folder = tmp_path_factory.mktemp("bundles")
     torch.manual_seed(0)
-    weights = tmp_path / "tabular.pt"
+    weights = folder / "tabular.pt"
     torch.save(randomize_batch_norm(model_zoo.tabular(), seed=2).state_dict(), weights)
     for precision in ("fp32", "fp16"):
         result = deploykit_cli("convert", weights, "--factory", "model_zoo:tabular", "--input", "features:1x13",
-                               "--batch", "1:4:8", "--precision", precision, "-o", tmp_path / precision)
+                               "--batch", "1:4:8", "--precision", precision, "-o", folder / precision)
         assert result.returncode == 0, result.stderr
-    result = deploykit_cli("bench", tmp_path / "fp16", "--model", weights, "--factory", "model_zoo:tabular",
-                           "--export-plain", "--baseline", tmp_path / "fp32", "--device", "cuda", "--batch", "1,8",
+    return folder
+
+
+def test_fp32_stays_fp32_in_the_cuda_ep_unless_tf32_is_asked_for(bundles):
+    feeds = random_inputs(deploykit.load(bundles / "fp32", device="cpu").inputs, 8, seed=3)
+    expected = deploykit.load(bundles / "fp32", device="cpu").run(feeds)
+    exact = deploykit.load(bundles / "fp32", device="cuda")
+    assert exact.session.get_provider_options()[CUDA]["use_tf32"] == "0"
+    for name, array in exact.run(feeds).items():
+        np.testing.assert_allclose(array, expected[name], rtol=1e-4, atol=1e-5)
+    fast = deploykit.load(bundles / "fp32", device="cuda", tf32=True)
+    assert fast.session.get_provider_options()[CUDA]["use_tf32"] == "1" and "TF32 on" in fast.notes[-1]
+
+
+def test_bench_times_every_gpu_contender_with_cuda_events(bundles, tmp_path):
+    weights = bundles / "tabular.pt"
+    result = deploykit_cli("bench", bundles / "fp16", "--model", weights, "--factory", "model_zoo:tabular",
+                           "--export-plain", "--baseline", bundles / "fp32", "--device", "cuda", "--batch", "1,8",
                            "--iterations", "20", "--warmup", "3", "--json", "-o", tmp_path)
     assert result.returncode == 0, result.stderr
     bench = json.loads(result.stdout)
