@@ -42,13 +42,13 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
       for (int e = tid; e < kTileM * kTileK; e += kThreadsX * kThreadsY) {
         const int r = e / kTileK, kk = e % kTileK;
         const int64_t gr = row0 + r, gk = k0 + kk;
-        as[kk][r] = (gr < m && gk < k) ? Cvt<T>::load(a[gr * k + gk]) : 0.0f;
+        as[kk][r] = (gr < m && gk < k) ? Io<T>::load(a[gr * k + gk]) : 0.0f;
       }
 #pragma unroll
       for (int e = tid; e < kTileK * kTileN; e += kThreadsX * kThreadsY) {
         const int kk = e / kTileN, c = e % kTileN;
         const int64_t gk = k0 + kk, gc = col0 + c;
-        bs[kk][c] = (gk < k && gc < n) ? Cvt<T>::load(b[gk * n + gc]) : 0.0f;
+        bs[kk][c] = (gk < k && gc < n) ? Io<T>::load(b[gk * n + gc]) : 0.0f;
       }
       __syncthreads();
 #pragma unroll
@@ -75,8 +75,8 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
         const int64_t gc = col0 + tx + kThreadsX * j;
         if (gc >= n) continue;
         float v = acc[i][j];
-        if (bias) v += Cvt<T>::load(bias[gc]);
-        y[gr * n + gc] = Cvt<T>::store(relu(v));
+        if (bias) v += Io<T>::load(bias[gc]);
+        y[gr * n + gc] = Io<T>::store(relu(v));
       }
     }
   }
