@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session: build the kernel library for this GPU, run the BatchNorm GPU tests, then the
+# One GPU session: build the kernel library for this GPU, run the BatchNorm and kernel GPU tests, then the
 # BatchNorm and MatMulRelu benchmarks. Logs and tables go to $OUT (default /tmp/deploykit-bench).
 #   bash benchmarks/run_device.sh            # from the repository root
 # Steps are time-limited so that a hang still leaves the other logs; $PYTHON picks the python.
@@ -25,7 +25,7 @@ timeout ${BN_BENCH_S:-150} $PY benchmarks/bench_batch_norm.py --out "$OUT/bench_
   >>"$OUT/bench.log" 2>&1; echo "batch_norm rc=$?" >>"$OUT/bench.log"
 stamp "tests"
 timeout ${TESTS_S:-180} $PY -m pytest -q -p no:cacheprovider -o addopts="" -rfE --durations=5 \
-  ${TESTS:-tests/gpu/test_batch_norm_cuda.py} >"$OUT/tests.log" 2>&1; echo "rc=$?" >>"$OUT/tests.log"
+  ${TESTS:-tests/gpu/test_batch_norm_cuda.py tests/gpu/test_kernels_cuda.py} >"$OUT/tests.log" 2>&1; echo "rc=$?" >>"$OUT/tests.log"
 stamp "bench matmul_relu"
 timeout ${MM_BENCH_S:-120} $PY benchmarks/bench_matmul_relu.py --out "$OUT/bench_matmul_relu.md" \
   >>"$OUT/bench.log" 2>&1; echo "matmul_relu rc=$?" >>"$OUT/bench.log"
