@@ -1,6 +1,7 @@
 """What the CLI calls and users import: ``convert()`` runs the pipeline stage by stage.
 
-load -> check inputs -> export -> passes -> validate -> report -> bundle (see DESIGN.md).
+load -> check inputs -> export -> passes -> [precision] -> [op library] -> [TensorRT engine] -> validate
+-> [auto-fix] -> report -> bundle (see DESIGN.md).
 """
 
 from __future__ import annotations
@@ -78,68 +79,108 @@ def convert(options: ConvertOptions, stage=_no_stage) -> ConvertResult:
     """Convert, validate and bundle a model. ``stage(title)`` wraps each step (progress display)."""
     bundle.check_destination(Path(options.output).absolute(), options.force)
     check_precision(options.precision, options.io_precision, options.auto_fix)
-    with stage("Loading the model"):
-        loaded = load_model(options.model, options.factory, options.trust_pickle)
-        if loaded.program is not None:
-            check_program_batch(loaded.program, options.batch)
-        specs = resolve_input_specs(loaded, options.inputs, options.batch)
-    with stage("Running the model in PyTorch"):
-        reference = TorchRunner(loaded, [spec.name for spec in specs])
-        example = _example_inputs(specs, options.batch)
-        _probe(reference, example, specs)
-    with stage("Exporting ONNX"):
-        exported = export_onnx(
-            loaded, {k: torch.from_numpy(v) for k, v in example.items()},
-            reference.output_names, options.batch, options.opset, options.exporter,
-        )
-    with stage("Optimizing the graph"):
-        optimized, pass_stats = run_passes(exported.model, custom_ops=options.custom_ops)
-    precision = None
-    if options.precision != "fp32":
-        with stage(f"Writing {options.precision} into the graph"):
-            precision = PrecisionStage.start(optimized, options.precision, options.io_precision, example)
-            optimized = precision.model
-            pass_stats.append(precision.result.stats)
-    library = OpLibrary(None, "the graph uses no deploykit op")
-    if custom_op_types(optimized):
-        with stage("Building deploykit's op library (cached after the first run)"):
-            library = find_op_library()
-    engine = None
-    if options.backend in ("tensorrt", "all"):
-        with stage("Building the TensorRT engine"):
-            engine = build_tensorrt_stage(
-                optimized, specs, options.batch, options.trt_targets, options.trt_workspace_bytes, options.precision
-            )
-    with stage("Validating against PyTorch"):
-        feed_sets = _validation_feeds(specs, options)
-        tolerances = parse_tolerances(options.tolerances, options.precision, reference.output_names)
-        candidates = _candidates(exported.model, optimized, library, engine, precision)
-        _check_signature(candidates[_first_onnx_label(candidates)], specs, reference.output_names)
-        validations = validate(reference, candidates, feed_sets, tolerances)
-    if precision is not None and options.auto_fix and not all(v.passed for v in validations[:-1]):
-        with stage("Pinning the nodes that diverge to fp32 (--auto-fix)"):
-            optimized = precision.auto_fix(reference, feed_sets, validations[0], tolerances, library.path)
-            pass_stats[-1] = precision.result.stats
-            if engine is not None:
-                engine = build_tensorrt_stage(optimized, specs, options.batch, options.trt_targets,
-                                              options.trt_workspace_bytes, options.precision)
-            candidates = _candidates(exported.model, optimized, library, engine, precision)
-            validations = validate(reference, candidates, feed_sets, tolerances)
-    report = build_report(options, loaded, specs, exported, optimized, pass_stats, validations, library, engine,
-                          precision)
-    with stage("Writing the bundle"):
-        with bundle.staged_bundle(options.output, options.force) as (staging, manifest):
-            onnx.save_model(optimized, staging / "model.onnx")
-            if precision is not None:
-                onnx.save_model(precision.fp32, staging / REFERENCE_MODEL)
-            if library.path is not None:
-                shutil.copy2(library.path, staging / library.path.name)
-            if engine is not None:
-                (staging / engine.file_name).write_bytes(engine.build.engine)
-            bundle.write_json(staging / "report.json", report)
-            (staging / "report.html").write_text(render_html(report, validations))
-            manifest.update(build_manifest(report, optimized))
-    return ConvertResult(Path(options.output).absolute(), report, validations)
+    conversion = Conversion(options)
+    for title, step in conversion.steps():
+        with stage(title):
+            step()
+    return ConvertResult(Path(options.output).absolute(), conversion.report, conversion.validations)
+
+
+class Conversion:
+    """One conversion's state, handed from step to step. ``steps()`` yields each step when its
+    turn comes, so a step is chosen by what the earlier ones found (custom ops in the graph, a
+    failed reduced-precision validation)."""
+
+    def __init__(self, options: ConvertOptions):
+        self.options = options
+        self.precision: PrecisionStage | None = None
+        self.library = OpLibrary(None, "the graph uses no deploykit op")
+        self.engine = None
+        self.report: dict = {}
+
+    def steps(self):
+        options = self.options
+        yield "Loading the model", self.load
+        yield "Running the model in PyTorch", self.run_reference
+        yield "Exporting ONNX", self.export
+        yield "Optimizing the graph", self.optimize
+        if options.precision != "fp32":
+            yield f"Writing {options.precision} into the graph", self.write_precision
+        if custom_op_types(self.optimized):
+            yield "Building deploykit's op library (cached after the first run)", self.find_op_library
+        if options.backend in ("tensorrt", "all"):
+            yield "Building the TensorRT engine", self.build_engine
+        yield "Validating against PyTorch", self.validate
+        # the plain export (last candidate) does not decide whether pinning can help
+        if self.precision is not None and options.auto_fix and not all(v.passed for v in self.validations[:-1]):
+            yield "Pinning the nodes that diverge to fp32 (--auto-fix)", self.auto_fix
+        yield "Writing the bundle", self.write_bundle
+
+    def load(self) -> None:
+        options = self.options
+        self.loaded = load_model(options.model, options.factory, options.trust_pickle)
+        if self.loaded.program is not None:
+            check_program_batch(self.loaded.program, options.batch)
+        self.specs = resolve_input_specs(self.loaded, options.inputs, options.batch)
+
+    def run_reference(self) -> None:
+        self.reference = TorchRunner(self.loaded, [spec.name for spec in self.specs])
+        self.example = _example_inputs(self.specs, self.options.batch)
+        _probe(self.reference, self.example, self.specs)
+
+    def export(self) -> None:
+        options = self.options
+        self.exported = export_onnx(self.loaded, {k: torch.from_numpy(v) for k, v in self.example.items()},
+                                    self.reference.output_names, options.batch, options.opset, options.exporter)
+
+    def optimize(self) -> None:
+        self.optimized, self.pass_stats = run_passes(self.exported.model, custom_ops=self.options.custom_ops)
+
+    def write_precision(self) -> None:
+        options = self.options
+        self.precision = PrecisionStage.start(self.optimized, options.precision, options.io_precision, self.example)
+        self.optimized = self.precision.model
+        self.pass_stats.append(self.precision.result.stats)
+
+    def find_op_library(self) -> None:
+        self.library = find_op_library()
+
+    def build_engine(self) -> None:
+        options = self.options
+        self.engine = build_tensorrt_stage(self.optimized, self.specs, options.batch, options.trt_targets,
+                                           options.trt_workspace_bytes, options.precision)
+
+    def validate(self) -> None:
+        self.feed_sets = _validation_feeds(self.specs, self.options)
+        self.tolerances = parse_tolerances(self.options.tolerances, self.options.precision,
+                                           self.reference.output_names)
+        candidates = _candidates(self.exported.model, self.optimized, self.library, self.engine, self.precision)
+        _check_signature(candidates[_first_onnx_label(candidates)], self.specs, self.reference.output_names)
+        self.validations = validate(self.reference, candidates, self.feed_sets, self.tolerances)
+
+    def auto_fix(self) -> None:
+        self.optimized = self.precision.auto_fix(self.reference, self.feed_sets, self.validations[0], self.tolerances,
+                                                 self.library.path)
+        self.pass_stats[-1] = self.precision.result.stats
+        if self.engine is not None:
+            self.build_engine()
+        candidates = _candidates(self.exported.model, self.optimized, self.library, self.engine, self.precision)
+        self.validations = validate(self.reference, candidates, self.feed_sets, self.tolerances)
+
+    def write_bundle(self) -> None:
+        self.report = build_report(self.options, self.loaded, self.specs, self.exported, self.optimized,
+                                   self.pass_stats, self.validations, self.library, self.engine, self.precision)
+        with bundle.staged_bundle(self.options.output, self.options.force) as (staging, manifest):
+            onnx.save_model(self.optimized, staging / "model.onnx")
+            if self.precision is not None:
+                onnx.save_model(self.precision.fp32, staging / REFERENCE_MODEL)
+            if self.library.path is not None:
+                shutil.copy2(self.library.path, staging / self.library.path.name)
+            if self.engine is not None:
+                (staging / self.engine.file_name).write_bytes(self.engine.build.engine)
+            bundle.write_json(staging / "report.json", self.report)
+            (staging / "report.html").write_text(render_html(self.report, self.validations))
+            manifest.update(build_manifest(self.report, self.optimized))
 
 
 def _candidates(plain: onnx.ModelProto, optimized: onnx.ModelProto, library: OpLibrary, engine,
