@@ -1,7 +1,7 @@
 """``deploykit.load`` and ``deploykit bench`` on the GPU.
 
 The runtime keeps fp32 exact in ONNX Runtime's CUDA EP (which rounds to TF32 unless told not
-to) unless asked. Bench runs every contender on one bench stream, timed by CUDA events: an fp16 bundle of model_zoo's tabular net is benched with the fp32 bundle as its baseline and
+to) unless asked, and serves a process without torch through cuda-python. Bench runs every contender on one bench stream, timed by CUDA events: an fp16 bundle of model_zoo's tabular net is benched with the fp32 bundle as its baseline and
 a re-exported plain graph, so one run exercises ONNX Runtime on a caller's stream (with and
 without CUDA graphs), the fp16 PyTorch contenders and the plain export made before PyTorch
 touched the model.
@@ -63,6 +63,32 @@ def test_fp32_stays_fp32_in_the_cuda_ep_unless_tf32_is_asked_for(bundles):
         np.testing.assert_allclose(array, expected[name], rtol=1e-4, atol=1e-5)
     fast = deploykit.load(bundles / "fp32", device="cuda", tf32=True)
     assert fast.session.get_provider_options()[CUDA]["use_tf32"] == "1" and "TF32 on" in fast.notes[-1]
+
+
+NO_TORCH = """
+import sys
+sys.modules["torch"] = None  # this process has no torch: device memory comes from cuda-python
+import cupy, numpy as np, deploykit
+bundle, out = sys.argv[1], sys.argv[2]
+features = np.random.default_rng(4).standard_normal((5, 13), dtype=np.float32)
+runner = deploykit.load(bundle, device="cuda")
+outputs = runner(features=cupy.asarray(features))  # __cuda_array_interface__ in ...
+device = {name: cupy.asarray(array).get() for name, array in outputs.items()}  # ... and out
+np.savez(out, features=features, **device)
+print(runner.describe()["provider"], sorted(type(a).__name__ for a in outputs.values()))
+"""
+
+
+def test_device_arrays_without_torch(bundles, tmp_path):
+    pytest.importorskip("cupy")
+    result = subprocess.run([sys.executable, "-c", NO_TORCH, str(bundles / "fp32"), str(tmp_path / "out.npz")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[0] == CUDA and "DeviceArray" in result.stdout
+    with np.load(tmp_path / "out.npz") as saved:
+        expected = deploykit.load(bundles / "fp32", device="cpu")(saved["features"])
+        for name, array in expected.items():
+            np.testing.assert_allclose(saved[name], array, rtol=1e-4, atol=1e-5)
 
 
 def test_bench_times_every_gpu_contender_with_cuda_events(bundles, tmp_path):
