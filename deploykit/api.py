@@ -20,7 +20,7 @@ from deploykit import bundle
 from deploykit.backends.onnxruntime import OnnxRuntimeRunner, OpLibrary, find_op_library
 from deploykit.backends.torch import TorchRunner
 from deploykit.compare import parse_tolerances
-from deploykit.debug import REFERENCE_MODEL, PrecisionStage
+from deploykit.precision_stage import REFERENCE_MODEL, PrecisionStage
 from deploykit.engines import build_tensorrt_stage
 from deploykit.errors import BadInputError, DeployKitError, error_summary
 from deploykit.export import DEFAULT_OPSET, check_program_batch, export_onnx

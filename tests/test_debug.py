@@ -1,4 +1,4 @@
-"""Layer-wise comparison and auto-fix (deploykit/debug.py, ``deploykit debug``, ``convert --auto-fix``).
+"""Layer-wise comparison and auto-fix (deploykit/layerwise.py, auto_fix.py, ``deploykit debug``, ``--auto-fix``).
 
 Two models that plain fp16 conversion gets wrong, for the two reasons users meet most:
 LayerNorm over large activations (the values fit fp16 but their spread does not survive its
@@ -21,8 +21,9 @@ import torch
 from onnx import helper
 from torch import nn
 
+from deploykit.auto_fix import FixProblem, auto_fix, find_culprits
 from deploykit.compare import Tolerance, parse_tolerances
-from deploykit.debug import FixProblem, auto_fix, compare_layers, find_culprits, run_values
+from deploykit.layerwise import compare_layers, run_values
 from deploykit.passes.precision import apply_precision, emulate, name_nodes
 from graph_helpers import make_model, tensor
 from test_convert_models import TESTS, convert

@@ -18,12 +18,12 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from deploykit.debug import ort_cpu_missing_kernels, typed_runner
 from deploykit.errors import BadInputError
 from deploykit.ops import fused_batch_norm, matmul_relu
 from deploykit.passes.precision import (
     apply_precision, check_precision, emulate, float_io, name_nodes, source_name,
 )
+from deploykit.precision_stage import ort_cpu_missing_kernels, typed_runner
 from graph_helpers import make_model, run_ort, tensor
 import model_zoo
 import test_debug
