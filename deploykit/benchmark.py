@@ -299,7 +299,7 @@ def cuda_graph_step(bundle: runtime.Bundle, tf32: bool, feeds: dict) -> Step:
     for name, feed in given.items():
         binding.bind_input(name, "cuda", 0, feed.dtype, list(feed.shape), feed.pointer)
     keep = []
-    for spec, shape in zip(runner.outputs, runner._output_shapes(given)):
+    for spec, shape in zip(runner.outputs, runner.output_shapes(given)):
         if shape is None:
             raise BadInputError(f"output {spec['name']} has a data-dependent shape: CUDA graphs need fixed shapes")
         keep.append(memory.empty(shape, spec["dtype"]))
@@ -477,7 +477,7 @@ def resolve_device(device: str) -> str:
     kind, _ = runtime.parse_device(device)
     if kind != "auto":
         return kind
-    if runtime._has_gpu():
+    if runtime.has_gpu():
         try:
             import torch
 

@@ -26,6 +26,7 @@ import torch
 
 import deploykit
 from deploykit import runtime
+from deploykit.bundle import sha256_of
 from deploykit.errors import BadInputError, EnvironmentProblem, ValidationFailed
 from deploykit.testing import randomize_batch_norm
 
@@ -153,7 +154,7 @@ def test_unloadable_op_library_explained(tmp_path, features):
     library = bundle / "libdeploykit_ort.so"
     library.write_bytes(b"not an ELF file")
     edit_manifest(bundle, lambda m: m["files"]["libdeploykit_ort.so"].update(
-        sha256=runtime.sha256_of(library)))
+        sha256=sha256_of(library)))
     with pytest.raises(EnvironmentProblem, match="cannot load libdeploykit_ort.so.*op_library=False"):
         deploykit.load(bundle, device="cpu")
     runner = deploykit.load(bundle, device="cpu", op_library=False)
@@ -193,7 +194,7 @@ def test_engine_choice_on_a_machine_without_gpu(tabular):
     manifest = json.loads((tabular / "manifest.json").read_text())
     if not manifest["engines"]:
         pytest.skip("no TensorRT here: the bundle has no engine")
-    if runtime._has_gpu():
+    if runtime.has_gpu():
         pytest.skip("this machine has a GPU")
     runner = deploykit.load(tabular)  # auto: the engine cannot run here, ONNX Runtime does
     assert runner.backend == "onnxruntime"
@@ -244,7 +245,7 @@ def test_cuda_array_interface_inputs(tabular):
 
 
 def test_cuda_python_memory_reports_a_missing_driver():
-    if runtime._has_gpu():
+    if runtime.has_gpu():
         pytest.skip("this machine has a GPU")
     pytest.importorskip("cuda.bindings")
     with pytest.raises(EnvironmentProblem, match="CUDA cudaSetDevice\\(0\\) failed"):
@@ -275,7 +276,7 @@ def test_output_shapes_follow_the_inputs(tabular, features):
     """What IOBinding preallocates on a GPU: output shapes from the inputs' symbolic sizes."""
     runner = deploykit.load(tabular, device="cpu")
     given = runtime.collect_feeds({"features": features}, {}, runner.inputs)
-    assert runner._output_shapes(given) == [(3, 4), (3, 16)]
+    assert runner.output_shapes(given) == [(3, 4), (3, 16)]
 
 
 # --------------------------------------------------------------------------- on a GPU

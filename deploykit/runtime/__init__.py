@@ -1,0 +1,31 @@
+"""``deploykit.load(bundle)``: run a converted bundle, after checking it is the one deploykit validated.
+
+Loader/runner split: ``open_bundle`` reads the manifest and verifies files against it;
+``load`` picks a backend (a TensorRT engine where this GPU can run it, else ONNX Runtime) and
+returns a runner; a runner only runs. Runners take numpy arrays, torch tensors (CPU or CUDA)
+or ``__cuda_array_interface__`` objects and return outputs by name: torch tensors on the
+inputs' device when the inputs were torch tensors, device arrays when they were other CUDA
+arrays, numpy otherwise. CUDA inputs are not copied (ONNX Runtime IOBinding, TensorRT tensor
+addresses); without torch, device memory comes from cuda-python (``cuda.bindings.runtime``).
+
+Where things live: ``bundle`` (opening and verifying a bundle), ``feeds`` (inputs and outputs),
+``memory`` (device buffers), ``runner`` (the common surface), ``onnxruntime`` and ``tensorrt``
+(the runners; ``tensorrt`` also says whether an engine can run here), ``choose`` (the backend
+choice and ``load``). Heavy libraries (torch, onnxruntime, tensorrt, cuda-python) are imported
+only when used.
+"""
+
+from deploykit.runtime.bundle import Bundle, check_validation, open_bundle, version_tuple
+from deploykit.runtime.choose import has_gpu, load, ort_has_cuda, parse_device
+from deploykit.runtime.feeds import DeviceArray, Feed, as_feed, batch_sizes, bundle_feeds, collect_feeds, random_inputs
+from deploykit.runtime.memory import CudaPythonMemory, TorchMemory
+from deploykit.runtime.onnxruntime import CUDA_EP, MIN_ORT_FOR_OP_LIBRARY, OnnxRuntimeBundleRunner
+from deploykit.runtime.runner import Runner
+from deploykit.runtime.tensorrt import TensorRTBundleRunner, engine_problem, installed_tensorrt
+
+__all__ = [
+    "CUDA_EP", "MIN_ORT_FOR_OP_LIBRARY", "Bundle", "CudaPythonMemory", "DeviceArray", "Feed",
+    "OnnxRuntimeBundleRunner", "Runner", "TensorRTBundleRunner", "TorchMemory", "as_feed", "batch_sizes",
+    "bundle_feeds", "check_validation", "collect_feeds", "engine_problem", "has_gpu",
+    "installed_tensorrt", "load", "open_bundle", "ort_has_cuda", "parse_device", "random_inputs", "version_tuple",
+]

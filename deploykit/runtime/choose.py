@@ -1,0 +1,91 @@
+"""``load``: which backend runs a bundle here (its engine where this GPU can, else ONNX Runtime)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from deploykit.errors import BadInputError, EnvironmentProblem
+from deploykit.runtime.bundle import Bundle, check_validation, open_bundle
+from deploykit.runtime.onnxruntime import CUDA_EP, OnnxRuntimeBundleRunner
+from deploykit.runtime.runner import Runner
+from deploykit.runtime.tensorrt import TensorRTBundleRunner, engine_problem, installed_tensorrt
+
+BACKENDS = ("auto", "onnxruntime", "tensorrt")
+
+
+def parse_device(device: str) -> tuple[str, int]:
+    kind, _, index = device.partition(":")
+    if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+        raise BadInputError(f"device {device!r}: use auto, cpu, cuda or cuda:N")
+    return kind, int(index or 0)
+
+
+def ort_has_cuda() -> bool:
+    import onnxruntime as ort
+
+    return CUDA_EP in ort.get_available_providers()
+
+
+def choose_backend(bundle: Bundle, backend: str, device: str) -> tuple[str, str, list[str]]:
+    """(backend, device, notes): an engine on the GPU when it can run here, else ONNX Runtime."""
+    if backend not in BACKENDS:
+        raise BadInputError(f"backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    notes: list[str] = []
+    if backend in ("auto", "tensorrt") and device != "cpu":
+        if not bundle.engines:
+            if backend == "tensorrt":
+                raise BadInputError(f"{bundle.path} has no TensorRT engine: convert with --backend tensorrt")
+        else:
+            from deploykit.backends import tensorrt
+
+            entry = bundle.engines[0]
+            problem = engine_problem(entry, installed_tensorrt(entry["flavour"]), tensorrt.local_gpus())
+            if problem is None:
+                return "tensorrt", "cuda", notes
+            if backend == "tensorrt":
+                raise EnvironmentProblem(f"cannot run {entry['file']} here: {problem}")
+            notes.append(f"TensorRT engine not used: {problem}")
+    if backend == "tensorrt":
+        raise BadInputError("TensorRT runs on the GPU only: use device='cuda' (or backend='onnxruntime')")
+    if device == "auto":
+        device = "cuda" if ort_has_cuda() and has_gpu() else "cpu"
+    elif device == "cuda" and not ort_has_cuda():
+        import onnxruntime as ort
+
+        raise EnvironmentProblem(f"onnxruntime {ort.__version__} has no {CUDA_EP}: pip uninstall onnxruntime && "
+                                 "pip install onnxruntime-gpu (or use device='cpu')")
+    return "onnxruntime", device, notes
+
+
+def has_gpu() -> bool:
+    from deploykit.backends import tensorrt
+
+    return not isinstance(tensorrt.local_gpus(), str)
+
+
+def load(bundle: str | Path, backend: str = "auto", device: str = "auto", *, allow_failed: bool = False,
+         op_library: bool = True, verify: bool = True, **options) -> Runner:
+    """Open a bundle and return a runner for it.
+
+    ``backend``: auto (the engine where this GPU runs it, else ONNX Runtime), onnxruntime or
+    tensorrt. ``device``: auto, cpu, cuda or cuda:N. Files are checked against the manifest's
+    sha256 (``verify=False`` skips it); a bundle that failed validation raises
+    ValidationFailed unless ``allow_failed``. ``options`` go to the runner (ONNX Runtime:
+    threads, cuda_graph, stream, tf32, profile_prefix). Why a backend was chosen and what differs from the
+    conversion machine are in ``runner.notes``; the latter are also issued as warnings.
+    """
+    opened = open_bundle(bundle)
+    check_validation(opened, allow_failed)
+    kind, device_id = parse_device(device)
+    chosen, kind, notes = choose_backend(opened, backend, kind)
+    if chosen == "tensorrt":
+        if options:
+            raise BadInputError(f"{', '.join(options)} apply to ONNX Runtime only; this bundle runs its TensorRT engine")
+        runner = TensorRTBundleRunner(opened, opened.engines[0], device_id, verify=verify, notes=notes, **options)
+    else:
+        runner = OnnxRuntimeBundleRunner(opened, kind, device_id, op_library=op_library, verify=verify,
+                                         notes=notes, **options)
+    for note in runner.warnings:
+        warnings.warn(note, RuntimeWarning, stacklevel=2)
+    return runner
