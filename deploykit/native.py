@@ -5,7 +5,7 @@ fetched once into the cache without installing anything: ONNX Runtime's from Deb
 ``libonnxruntime-dev`` package, TensorRT's from the ``kernel-lens`` wheel, cuBLASLt's from the
 installed ``nvidia-cublas`` wheel. Builds live in ``$DEPLOYKIT_CACHE/build/<key>`` (default
 ``~/.cache/deploykit``), keyed by a hash of the sources and options, so an unchanged tree is
-reused at once. A cache prepared with ``fetch_headers()`` can be carried to an offline machine.
+reused at once; the three most recently used builds are kept. A cache prepared with ``fetch_headers()`` can be carried to an offline machine.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ CMAKE_COMPONENTS = {
     "TensorRT plugins": "tensorrt",
 }
 MANIFEST = "deploykit-build.json"
+KEEP_BUILDS = 3  # builds the cache keeps: the newest and the last few used (other trees, options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +129,35 @@ def build_plugins(force: bool = False, cuda_architectures: str | list | None = N
         if force:
             shutil.rmtree(build_dir, ignore_errors=True)
         elif (cached := _read_manifest(build_dir, key)) is not None:
+            os.utime(build_dir / MANIFEST)  # last used: what pruning keeps
             return cached
-        return _build(build_dir, key, toolchain, headers, archs, verbose)
+        build = _build(build_dir, key, toolchain, headers, archs, verbose)
+    prune_builds(KEEP_BUILDS)
+    return build
+
+
+def prune_builds(keep: int) -> list[Path]:
+    """Delete all but the ``keep`` most recently used builds; one that another process holds
+    (building or reading it) stays. Bundles carry copies of their libraries, so none breaks."""
+    root = cache_dir() / "build"
+    builds = sorted((d for d in root.iterdir() if d.is_dir()), key=_last_used, reverse=True) if root.is_dir() else []
+    removed = []
+    for old in builds[keep:]:
+        lock = old.with_suffix(".lock")
+        with open(lock, "w") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            shutil.rmtree(old, ignore_errors=True)
+            lock.unlink(missing_ok=True)
+            removed.append(old)
+    return removed
+
+
+def _last_used(build_dir: Path) -> float:
+    manifest = build_dir / MANIFEST
+    return (manifest if manifest.is_file() else build_dir).stat().st_mtime
 
 
 def find_ort_library() -> Path:
