@@ -32,12 +32,13 @@ LOW = (torch.float16, torch.bfloat16)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (N, C, spatial...): short rows, long unaligned rows (segments) and long aligned rows (plane
 # vectors, several chunks per channel), sizes not divisible by 4 or 8. Channel tiles (rows of at
-# most 256 bytes, C a multiple of the vector width): C a multiple of the tile and not
-# (partial last group), rows of 1, 25, 49 and 64 values.
+# most 1 KB, C a multiple of the vector width): C a multiple of the tile and not
+# (partial last group), rows of 1, 25, 49 and 64 values, and rows that 2 or 4 threads share
+# (196, 169 (uneven parts) and 256 values).
 SHAPES = [(2, 3, 5, 7), (4, 16, 33, 31), (3, 5, 1, 1), (1, 3, 1027, 1), (16, 8, 7, 7),
           (5, 3, 1025), (7, 13), (2, 4, 64, 48), (9, 2, 3, 2, 5), (9, 2, 1032),
           (3, 2, 48, 128), (70, 3, 9, 9), (6, 72, 7, 7), (3, 136, 8, 8), (5, 200, 5, 5), (33, 128, 7, 7),
-          (4, 64, 1, 1)]
+          (4, 64, 1, 1), (9, 72, 14, 14), (5, 80, 13, 13), (3, 16, 16, 16)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -158,7 +159,8 @@ def test_matches_torch(shape, dtype, training):
         assert err <= max(2.0 * torch_err, tolerance(dtype)), (name, err, torch_err)
 
 
-@pytest.mark.parametrize("shape", [(8, 4, 32, 33), (64, 3, 7, 7), (2, 2, 40, 40), (40, 72, 7, 7)], ids=str)
+@pytest.mark.parametrize("shape", [(8, 4, 32, 33), (64, 3, 7, 7), (2, 2, 40, 40), (40, 72, 7, 7),
+                                   (24, 72, 14, 14)], ids=str)
 def test_large_mean_small_std(shape):
     """Mean 1e4, std 1e-2 in float32: sum / sum-of-squares would cancel completely."""
     g = gen("shifted", shape)
@@ -215,7 +217,8 @@ class Guarded:
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float64], ids=str)
-@pytest.mark.parametrize("shape", [(3, 5, 1029), (4, 3, 7, 7), (2, 6, 40, 41), (5, 3, 2048), (4, 72, 7, 7)],
+@pytest.mark.parametrize("shape", [(3, 5, 1029), (4, 3, 7, 7), (2, 6, 40, 41), (5, 3, 2048), (4, 72, 7, 7),
+                                   (4, 72, 14, 14)],
                          ids=str)
 @pytest.mark.parametrize("x_off,y_off", [(0, 0), (1, 1), (1, 2), (3, 0)])
 def test_raw_offsets_and_poison(shape, dtype, x_off, y_off):

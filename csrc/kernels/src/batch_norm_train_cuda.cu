@@ -9,9 +9,9 @@
 //      kPlaneVectors (rows of >= kRowPathMin elements, 16-byte aligned): a chunk is a range of
 //      plane indices read as 16-byte vectors straight across row ends; kSegments (long rows,
 //      unaligned): the same with scalar head and tail per row segment; kTiles (rows of at most
-//      256 bytes, e.g. 7x7, aligned, C a multiple of the vector width): stats_tile_kernel, a
-//      block per (range of n, group of 64 channels) staging contiguous runs in shared memory
-//      with cp.async; kShortRows (other short rows, e.g. 14x14): a chunk is a range of rows,
+//      1 KB, e.g. 7x7 and 14x14, aligned, C a multiple of the vector width): stats_tile_kernel,
+//      a block per (range of n, group of 64 channels) staging contiguous runs in shared memory
+//      with cp.async; kShortRows (other short rows): a chunk is a range of rows,
 //      each warp reads kRowsPerGroup rows at once, lanes along the rows. Each block writes one
 //      partial (count, mean, M2) per channel.
 //   2. finalize_train_kernel: one warp per channel merges that channel's partials in double,
@@ -547,17 +547,19 @@ __global__ void __launch_bounds__(kThreads) finalize_backward_kernel(
 
 // ------------------------------------------------------------- short rows: channel tiles
 
-// kTiles mode (stats and backward reduce), for short rows (7x7 planes and the like) when x (and
-// dy) are 16-byte aligned and C is a multiple of 16 / sizeof(T). Then, for each n, the rows of
-// kTileChannels consecutive channels are one contiguous, 16-byte aligned run of memory. A block
-// owns one such channel group and a range of n: per stage it copies kTileBatch runs (of each
-// input) into shared memory with cp.async, two stages in flight, and each thread then reduces
-// one row (n, c) of the stage out of shared memory, two passes in registers like add_group.
-// Unlike kShortRows (a block per channel, warps reading 7x7 rows scattered 100 KB apart), the
+// kTiles mode (stats and backward reduce), for short rows (7x7 and 14x14 planes and the like)
+// when x (and dy) are 16-byte aligned and C is a multiple of 16 / sizeof(T). Then, for each n,
+// the rows of kTileChannels consecutive channels are one contiguous, 16-byte aligned run of
+// memory. A block owns one such channel group and a range of n: per stage it copies
+// kTileBatch / S runs (of each input) into shared memory with cp.async, two stages in flight,
+// and then S threads reduce each row (n, c) of the stage out of shared memory (thread q takes
+// elements q, q + S, ...), two passes in registers like add_group. S (tile_split) is 1 for rows
+// of at most 256 bytes, 2 or 4 for rows up to kTileRowBytes, so a stage stays 64 KB at most.
+// Unlike kShortRows (a block per channel, warps reading rows scattered C * HW apart), the
 // global reads are long 16-byte coalesced runs and a whole stage of them is in flight at once.
 constexpr int kTileChannels = 64;
-constexpr int kTileBatch = kThreads / kTileChannels;  // rows of each channel per stage
-constexpr int64_t kTileRowBytes = 256;                // longest row (bytes) the mode takes
+constexpr int kTileBatch = kThreads / kTileChannels;  // threads per channel
+constexpr int64_t kTileRowBytes = 1024;               // longest row (bytes) the mode takes
 constexpr int kTileBlocksPerSm = 4;                   // backward grid target
 constexpr int kThreadsPerSm = 2048;                   // resident-thread limit (sm_80 .. sm_90)
 
@@ -572,30 +574,50 @@ __device__ __forceinline__ void cp_async_wait_all_but_one() {
   asm volatile("cp.async.wait_group 1;" ::: "memory");
 }
 
-// Dynamic shared memory of a tile kernel: two stages of kThreads rows per input, and at least
-// the kThreads (count, mean, M2) triples of the final merge.
+// Threads per row in kTiles mode: 1 up to 256 bytes, else 2 or 4.
+template <typename T>
+__host__ __device__ inline int tile_split(int64_t hw) {
+  const int64_t bytes = hw * static_cast<int64_t>(sizeof(T));
+  return bytes <= 256 ? 1 : bytes <= 512 ? 2 : 4;
+}
+
+// Dynamic shared memory of a tile kernel: two stages of kThreads / S rows per input, and at
+// least the kThreads (count, mean, M2) triples of the final merge.
 template <typename T>
 inline size_t tile_smem_bytes(int64_t hw, int inputs) {
   using A = typename Io<T>::Acc;
-  const size_t stages = 2 * static_cast<size_t>(inputs) * kThreads * hw * sizeof(T);
+  const size_t stages = 2 * static_cast<size_t>(inputs) * (kThreads / tile_split<T>(hw)) * hw *
+                        sizeof(T);
   const size_t merge = 3 * kThreads * sizeof(A);
   return stages > merge ? stages : merge;
 }
 
-// Runs the stages of one block: channels [c0, c0 + gc) for n in [na, nb); calls
-// row(const T* (&rows)[kInputs], hw) for this thread's row of each stage (shared memory).
+// Thread t of a tile block takes part q = t % S of channel g = (t / S) % kTileChannels in the
+// stage's row r = t / (S * kTileChannels).
+struct TileThread {
+  int q, g, r;
+};
+__device__ __forceinline__ TileThread tile_thread(int split) {
+  const int t = static_cast<int>(threadIdx.x);
+  return TileThread{t % split, (t / split) % kTileChannels, t / (split * kTileChannels)};
+}
+
+// Runs the stages of one block: channels [c0, c0 + gc) for n in [na, nb), kTileBatch / split
+// values of n per stage; calls row(const T* (&rows)[kInputs]) for this thread's row of each
+// stage (shared memory).
 template <typename T, int kInputs, typename Row>
 __device__ __forceinline__ void tile_pass(const T* const (&in)[kInputs], T* smem,
-                                          int64_t channels, int hw, int64_t c0, int gc,
-                                          int64_t na, int64_t nb, Row&& row) {
-  const int64_t stage = int64_t{kThreads} * hw;  // elements per input and stage buffer
+                                          int64_t channels, int hw, int split, int64_t c0,
+                                          int gc, int64_t na, int64_t nb, Row&& row) {
+  const int batch = kTileBatch / split;
+  const int64_t stage = int64_t{kThreads / split} * hw;  // elements per input and stage buffer
   const int seg_vecs = static_cast<int>(gc * hw * static_cast<int>(sizeof(T)) / 16);
-  const int64_t stages = (nb - na + kTileBatch - 1) / kTileBatch;
-  const int r = threadIdx.x / kTileChannels, g = threadIdx.x % kTileChannels;
+  const int64_t stages = (nb - na + batch - 1) / batch;
+  const TileThread me = tile_thread(split);
+  const int r = me.r, g = me.g;
   auto issue = [&](int64_t st) {
-#pragma unroll
-    for (int rr = 0; rr < kTileBatch; ++rr) {
-      const int64_t n = na + st * kTileBatch + rr;
+    for (int rr = 0; rr < batch; ++rr) {
+      const int64_t n = na + st * batch + rr;
       if (n >= nb) break;
 #pragma unroll
       for (int i = 0; i < kInputs; ++i) {
@@ -615,21 +637,36 @@ __device__ __forceinline__ void tile_pass(const T* const (&in)[kInputs], T* smem
       cp_async_commit();  // an empty group keeps "all but the newest" meaning stage st
     cp_async_wait_all_but_one();
     __syncthreads();
-    if (g < gc && na + st * kTileBatch + r < nb) {
+    if (g < gc && na + st * batch + r < nb) {
       const T* rows[kInputs];
 #pragma unroll
       for (int i = 0; i < kInputs; ++i)
         rows[i] = smem + ((st & 1) * kInputs + i) * stage + static_cast<int64_t>(r * gc + g) * hw;
-      row(rows, hw);
+      row(rows);
     }
     __syncthreads();  // the buffer is refilled by the next issue
   }
 }
 
-// Threads of a row read it starting at a different element when hw is even, so that a warp's
-// 32 rows, hw elements apart, fall in different shared-memory banks.
-__device__ __forceinline__ int tile_row_start(int hw) {
-  return hw % 2 == 0 ? static_cast<int>(threadIdx.x % 32) % hw : 0;
+// A thread's part of a row: `count` elements q, q + S, ... It starts at a rotated index when
+// count is even, so that the warp's rows (S * count elements apart) fall in different
+// shared-memory banks; odd counts spread them already.
+struct RowPart {
+  int q, split, count, start;
+  template <typename F>
+  __device__ __forceinline__ void each(F&& f) const {
+    for (int i = 0, k = start; i < count; ++i, k = k + 1 == count ? 0 : k + 1) f(q + split * k);
+  }
+};
+__device__ __forceinline__ RowPart row_part(int hw, int split) {
+  const TileThread me = tile_thread(split);
+  const int count = (hw - me.q + split - 1) / split;
+  const int lane_row = static_cast<int>(threadIdx.x % 32) / split;
+  return RowPart{me.q, split, count, count % 2 == 0 ? lane_row % count : 0};
+}
+// The i-th (0 <= i < kTileBatch) of the threads that take channel g of a stage.
+__device__ __forceinline__ int tile_thread_of(int g, int i, int split) {
+  return (i / split) * split * kTileChannels + g * split + i % split;
 }
 
 // Grid: chunks * groups blocks, chunk-major (the last blocks read the end of the tensor).
@@ -645,25 +682,25 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t c0 = (blockIdx.x - k * groups) * kTileChannels;
   const int gc = static_cast<int>(channels - c0 < kTileChannels ? channels - c0 : kTileChannels);
   const int64_t na = k * n_per_chunk, nb = na + n_per_chunk < n ? na + n_per_chunk : n;
-  const int g = threadIdx.x % kTileChannels;
+  const int split = tile_split<T>(hw);
+  const int g = tile_thread(split).g;
   const A shift = Io<T>::load(x[(c0 + (g < gc ? g : 0)) * hw]);
-  const A inv_hw = A(1) / A(hw);
-  const int start = tile_row_start(hw);
+  const RowPart part_of_row = row_part(hw, split);
+  const A inv_count = A(1) / A(part_of_row.count);
   Welford<A> w{A(0), A(0), A(0)};
   const T* in[1] = {x};
-  tile_pass<T, 1>(in, reinterpret_cast<T*>(tile_smem), channels, hw, c0, gc, na, nb,
-                  [&](const T* (&rows)[1], int len) {
+  tile_pass<T, 1>(in, reinterpret_cast<T*>(tile_smem), channels, hw, split, c0, gc, na, nb,
+                  [&](const T* (&rows)[1]) {
                     const T* p = rows[0];
                     A s = A(0);
-                    for (int i = 0, j = start; i < len; ++i, j = j + 1 == len ? 0 : j + 1)
-                      s += Io<T>::load(p[j]) - shift;
-                    const A m = s * inv_hw;
+                    part_of_row.each([&](int j) { s += Io<T>::load(p[j]) - shift; });
+                    const A m = s * inv_count;
                     A q = A(0);
-                    for (int i = 0, j = start; i < len; ++i, j = j + 1 == len ? 0 : j + 1) {
+                    part_of_row.each([&](int j) {
                       const A d = (Io<T>::load(p[j]) - shift) - m;
                       q = fma(d, d, q);
-                    }
-                    w.merge(A(len), m, q);
+                    });
+                    w.merge(A(part_of_row.count), m, q);
                   });
   // Merge the kTileBatch threads of each channel (shared memory is free after tile_pass).
   A* sh = reinterpret_cast<A*>(tile_smem);
@@ -674,8 +711,8 @@ __global__ void __launch_bounds__(kThreads)
   if (static_cast<int>(threadIdx.x) < gc) {
     Welford<A> r{A(0), A(0), A(0)};
 #pragma unroll
-    for (int rr = 0; rr < kTileBatch; ++rr) {
-      const int t = rr * kTileChannels + threadIdx.x;
+    for (int i = 0; i < kTileBatch; ++i) {
+      const int t = tile_thread_of(threadIdx.x, i, split);
       r.merge(sh[t], sh[kThreads + t], sh[2 * kThreads + t]);
     }
     const int64_t p = (c0 + threadIdx.x) * chunks + k, parts = channels * chunks;
@@ -698,18 +735,19 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t c0 = (blockIdx.x - k * groups) * kTileChannels;
   const int gc = static_cast<int>(channels - c0 < kTileChannels ? channels - c0 : kTileChannels);
   const int64_t na = k * n_per_chunk, nb = na + n_per_chunk < n ? na + n_per_chunk : n;
-  const int g = threadIdx.x % kTileChannels;
+  const int split = tile_split<T>(hw);
+  const int g = tile_thread(split).g;
   const A mean = mean_in[c0 + (g < gc ? g : 0)];
-  const int start = tile_row_start(hw);
+  const RowPart part_of_row = row_part(hw, split);
   A s_dy = A(0), s_dyx = A(0);
   const T* in[2] = {dy, x};
-  tile_pass<T, 2>(in, reinterpret_cast<T*>(tile_smem), channels, hw, c0, gc, na, nb,
-                  [&](const T* (&rows)[2], int len) {
-                    for (int i = 0, j = start; i < len; ++i, j = j + 1 == len ? 0 : j + 1) {
+  tile_pass<T, 2>(in, reinterpret_cast<T*>(tile_smem), channels, hw, split, c0, gc, na, nb,
+                  [&](const T* (&rows)[2]) {
+                    part_of_row.each([&](int j) {
                       const A gv = Io<T>::load(rows[0][j]);
                       s_dy += gv;
                       s_dyx = fma(gv, Io<T>::load(rows[1][j]) - mean, s_dyx);
-                    }
+                    });
                   });
   A* sh = reinterpret_cast<A*>(tile_smem);
   sh[threadIdx.x] = s_dy;
@@ -718,9 +756,10 @@ __global__ void __launch_bounds__(kThreads)
   if (static_cast<int>(threadIdx.x) < gc) {
     A r0 = A(0), r1 = A(0);
 #pragma unroll
-    for (int rr = 0; rr < kTileBatch; ++rr) {
-      r0 += sh[rr * kTileChannels + threadIdx.x];
-      r1 += sh[kThreads + rr * kTileChannels + threadIdx.x];
+    for (int i = 0; i < kTileBatch; ++i) {
+      const int t = tile_thread_of(threadIdx.x, i, split);
+      r0 += sh[t];
+      r1 += sh[kThreads + t];
     }
     const int64_t p = (c0 + threadIdx.x) * chunks + k;
     part[p] = r0;
