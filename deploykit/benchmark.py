@@ -204,18 +204,23 @@ def _module_copy(source: SourceModel, device: str, precision: str):
     return copy.deepcopy(source.loaded.module).to(device=device, dtype=torch_dtype(precision))
 
 
-def _eager(source: SourceModel, device: str, precision: str = "fp32"):
+def _pytorch_problem(source: SourceModel, device: str, precision: str) -> str | None:
     if source.loaded is None:
         return source.reason
     if precision != "fp32" and device != "cuda":
         return f"PyTorch {precision} is measured on the GPU only (the CPU is not where it would be deployed)"
+    return None
+
+
+def _eager(source: SourceModel, device: str, precision: str = "fp32"):
+    if problem := _pytorch_problem(source, device, precision):
+        return problem
     return lambda: _module_step(_module_copy(source, device, precision), device, precision)
 
 
 def _compiled(source: SourceModel, device: str, precision: str = "fp32"):
-    reason = _eager(source, device, precision)
-    if isinstance(reason, str):
-        return reason
+    if problem := _pytorch_problem(source, device, precision):
+        return problem
     if source.loaded.kind == "torchscript":
         return "torch.compile does not take TorchScript modules"
 
