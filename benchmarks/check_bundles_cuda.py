@@ -21,6 +21,7 @@ import onnxruntime as ort
 
 import deploykit
 from deploykit import benchmark, runtime
+from deploykit.backends.torch import flatten_outputs
 from deploykit.compare import Tolerance, compare_output
 
 
@@ -76,8 +77,7 @@ def _pytorch_outputs(bundle: Path, factory: str, precision: str, feeds: dict, na
         raise SystemExit(source.reason)
     module = source.loaded.module.to(device="cuda", dtype=benchmark.torch_dtype(precision))
     with torch.inference_mode():
-        out = module(*[t.cuda() for t in benchmark.cast_feeds(feeds, precision).values()])
-    outs = out if isinstance(out, (tuple, list)) else [out]
+        outs = flatten_outputs(module(*[t.cuda() for t in benchmark.cast_feeds(feeds, precision).values()]))
     return {name: o.float().cpu().numpy() for name, o in zip(names, outs)}
 
 
