@@ -34,11 +34,11 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # vectors, several chunks per channel), sizes not divisible by 4 or 8. Channel tiles (rows of at
 # most 1 KB, C a multiple of the vector width): C a multiple of the tile and not
 # (partial last group), rows of 1, 25, 49 and 64 values, and rows that 2 or 4 threads share
-# (196, 169 (uneven parts) and 256 values).
+# (196, 169 (uneven parts) and 256 values; 441 fp16 values: 4 threads, pairs, a partial batch).
 SHAPES = [(2, 3, 5, 7), (4, 16, 33, 31), (3, 5, 1, 1), (1, 3, 1027, 1), (16, 8, 7, 7),
           (5, 3, 1025), (7, 13), (2, 4, 64, 48), (9, 2, 3, 2, 5), (9, 2, 1032),
           (3, 2, 48, 128), (70, 3, 9, 9), (6, 72, 7, 7), (3, 136, 8, 8), (5, 200, 5, 5), (33, 128, 7, 7),
-          (4, 64, 1, 1), (9, 72, 14, 14), (5, 80, 13, 13), (3, 16, 16, 16)]
+          (4, 64, 1, 1), (9, 72, 14, 14), (5, 80, 13, 13), (3, 16, 16, 16), (2, 16, 21, 21)]
 
 
 @pytest.fixture(scope="module", autouse=True)

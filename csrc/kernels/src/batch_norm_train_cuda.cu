@@ -9,11 +9,11 @@
 //      kPlaneVectors (rows of >= kRowPathMin elements, 16-byte aligned): a chunk is a range of
 //      plane indices read as 16-byte vectors straight across row ends; kSegments (long rows,
 //      unaligned): the same with scalar head and tail per row segment; kTiles (rows of at most
-//      1 KB, e.g. 7x7 and 14x14, aligned, C a multiple of the vector width): stats_tile_kernel,
-//      a block per (range of n, group of 64 channels) staging contiguous runs in shared memory
-//      with cp.async; kShortRows (other short rows): a chunk is a range of rows,
-//      each warp reads kRowsPerGroup rows at once, lanes along the rows. Each block writes one
-//      partial (count, mean, M2) per channel.
+//      1 KB, e.g. 7x7 and 14x14, aligned, C a multiple of the vector width): stats_tile_kernel
+//      (stats_tile_pair_kernel for 2-byte types), a block per (range of n, group of 64
+//      channels) staging contiguous runs in shared memory with cp.async; kShortRows (other
+//      short rows): a chunk is a range of rows, each warp reads kRowsPerGroup rows at once,
+//      lanes along the rows. Each block writes one partial (count, mean, M2) per channel.
 //   2. finalize_train_kernel: one warp per channel merges that channel's partials in double,
 //      writes save_mean / save_invstd, updates running_mean / running_var (unbiased variance,
 //      like PyTorch) and the per-channel parameters of the last pass.
@@ -560,6 +560,7 @@ __global__ void __launch_bounds__(kThreads) finalize_backward_kernel(
 constexpr int kTileChannels = 64;
 constexpr int kTileBatch = kThreads / kTileChannels;  // threads per channel
 constexpr int64_t kTileRowBytes = 1024;               // longest row (bytes) the mode takes
+constexpr int kTileUnits = 8;                         // pair loads per statistics batch (2-byte T)
 constexpr int kTileBlocksPerSm = 4;                   // backward grid target
 constexpr int kThreadsPerSm = 2048;                   // resident-thread limit (sm_80 .. sm_90)
 
@@ -664,18 +665,51 @@ __device__ __forceinline__ RowPart row_part(int hw, int split) {
   const int lane_row = static_cast<int>(threadIdx.x % 32) / split;
   return RowPart{me.q, split, count, count % 2 == 0 ? lane_row % count : 0};
 }
+
+// 2-byte types read a row in aligned pairs instead (half the shared-memory loads and
+// conversions; the tile passes are bound by instructions, not bytes). 4- and 8-byte types keep
+// RowPart: batching their scalar values (7 Chan merges for 49 fp32 values) measured 11-13%
+// slower (run d).
+template <typename T>
+struct alignas(2 * sizeof(T)) Pair {
+  T v[2];
+};
+// A thread's pairs of a row: pairs q, q + S, ... of the row's pairs, which start at element
+// `lead` (1 when the row starts mid-pair: rows start at element (r * gc + g) * hw with gc even,
+// so when g and hw are odd), and for thread q = 0 of a row of odd length the one element
+// outside the pairs (`single`, else -1). Rows of even length all start pair-aligned; their
+// threads start at a rotated pair so that the warp's rows fall in different banks.
+struct PairPart {
+  int q, split, lead, count, start, single;
+  // Index of the k-th (0 <= k < count) pair of this thread in the row's pairs.
+  __device__ __forceinline__ int pair(int k) const {
+    const int i = start + k;
+    return q + split * (i >= count ? i - count : i);
+  }
+};
+__device__ __forceinline__ PairPart pair_part(int hw, int split) {
+  const TileThread me = tile_thread(split);
+  const int lead = me.g & hw & 1;
+  const int pairs = (hw - lead) / 2;
+  const int count = (pairs - me.q + split - 1) / split;
+  const int single = me.q == 0 && (hw & 1) ? (lead ? 0 : hw - 1) : -1;
+  const int lane_row = static_cast<int>(threadIdx.x % 32) / split;
+  return PairPart{me.q, split, lead, count, hw % 2 == 0 && count > 0 ? lane_row % count : 0,
+                  single};
+}
 // The i-th (0 <= i < kTileBatch) of the threads that take channel g of a stage.
 __device__ __forceinline__ int tile_thread_of(int g, int i, int split) {
   return (i / split) * split * kTileChannels + g * split + i % split;
 }
 
 // Grid: chunks * groups blocks, chunk-major (the last blocks read the end of the tensor).
-// part as in stats_kernel, chunk k = range of n.
+// part as in stats_kernel, chunk k = range of n. The body of stats_tile_kernel (4- and 8-byte
+// types) and stats_tile_pair_kernel (2-byte types).
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    stats_tile_kernel(const T* __restrict__ x, int64_t n, int64_t channels, int hw,
-                      int64_t n_per_chunk, int64_t chunks, int64_t groups,
-                      typename Io<T>::Acc* __restrict__ part) {
+__device__ __forceinline__ void stats_tile_body(const T* __restrict__ x, int64_t n,
+                                                int64_t channels, int hw, int64_t n_per_chunk,
+                                                int64_t chunks, int64_t groups,
+                                                typename Io<T>::Acc* __restrict__ part) {
   using A = typename Io<T>::Acc;
   extern __shared__ uint4 tile_smem[];
   const int64_t k = blockIdx.x / groups;
@@ -685,23 +719,66 @@ __global__ void __launch_bounds__(kThreads)
   const int split = tile_split<T>(hw);
   const int g = tile_thread(split).g;
   const A shift = Io<T>::load(x[(c0 + (g < gc ? g : 0)) * hw]);
-  const RowPart part_of_row = row_part(hw, split);
-  const A inv_count = A(1) / A(part_of_row.count);
   Welford<A> w{A(0), A(0), A(0)};
   const T* in[1] = {x};
-  tile_pass<T, 1>(in, reinterpret_cast<T*>(tile_smem), channels, hw, split, c0, gc, na, nb,
-                  [&](const T* (&rows)[1]) {
-                    const T* p = rows[0];
-                    A s = A(0);
-                    part_of_row.each([&](int j) { s += Io<T>::load(p[j]) - shift; });
-                    const A m = s * inv_count;
-                    A q = A(0);
-                    part_of_row.each([&](int j) {
-                      const A d = (Io<T>::load(p[j]) - shift) - m;
-                      q = fma(d, d, q);
+  if constexpr (sizeof(T) == 2) {
+    // Each value is read once: a batch of kTileUnits pairs (and the single, in the first
+    // batch) is held in registers, reduced two-pass (mean, then squared deviations), and
+    // Chan-merged.
+    const PairPart pp = pair_part(hw, split);
+    const int batches = pp.count > 0 ? (pp.count + kTileUnits - 1) / kTileUnits : 1;
+    tile_pass<T, 1>(in, reinterpret_cast<T*>(tile_smem), channels, hw, split, c0, gc, na, nb,
+                    [&](const T* (&rows)[1]) {
+                      const Pair<T>* u = reinterpret_cast<const Pair<T>*>(rows[0] + pp.lead);
+                      const bool has_single = pp.single >= 0;
+                      const A one = has_single ? Io<T>::load(rows[0][pp.single]) - shift : A(0);
+                      for (int b = 0; b < batches; ++b) {
+                        const int k0 = b * kTileUnits;
+                        const int valid = pp.count - k0 < kTileUnits ? pp.count - k0 : kTileUnits;
+                        const bool first = b == 0 && has_single;
+                        A v[kTileUnits][2];
+                        A s = first ? one : A(0);
+#pragma unroll
+                        for (int j = 0; j < kTileUnits; ++j) {
+                          Pair<T> e{};
+                          if (j < valid) e = u[pp.pair(k0 + j)];
+#pragma unroll
+                          for (int l = 0; l < 2; ++l) {
+                            v[j][l] = j < valid ? Io<T>::load(e.v[l]) - shift : A(0);
+                            s += v[j][l];
+                          }
+                        }
+                        const int cnt = (valid > 0 ? valid : 0) * 2 + (first ? 1 : 0);
+                        const A m = ratio(s, A(cnt));
+                        A q = A(0);
+                        if (first) q = (one - m) * (one - m);
+#pragma unroll
+                        for (int j = 0; j < kTileUnits; ++j)
+#pragma unroll
+                          for (int l = 0; l < 2; ++l) {
+                            const A d = v[j][l] - m;
+                            if (j < valid) q = fma(d, d, q);
+                          }
+                        w.merge(A(cnt), m, q);
+                      }
                     });
-                    w.merge(A(part_of_row.count), m, q);
-                  });
+  } else {
+    const RowPart part_of_row = row_part(hw, split);
+    const A inv_count = A(1) / A(part_of_row.count);
+    tile_pass<T, 1>(in, reinterpret_cast<T*>(tile_smem), channels, hw, split, c0, gc, na, nb,
+                    [&](const T* (&rows)[1]) {
+                      const T* p = rows[0];
+                      A s = A(0);
+                      part_of_row.each([&](int j) { s += Io<T>::load(p[j]) - shift; });
+                      const A m = s * inv_count;
+                      A q = A(0);
+                      part_of_row.each([&](int j) {
+                        const A d = (Io<T>::load(p[j]) - shift) - m;
+                        q = fma(d, d, q);
+                      });
+                      w.merge(A(part_of_row.count), m, q);
+                    });
+  }
   // Merge the kTileBatch threads of each channel (shared memory is free after tile_pass).
   A* sh = reinterpret_cast<A*>(tile_smem);
   sh[threadIdx.x] = w.n;
@@ -722,6 +799,34 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    stats_tile_kernel(const T* __restrict__ x, int64_t n, int64_t channels, int hw,
+                      int64_t n_per_chunk, int64_t chunks, int64_t groups,
+                      typename Io<T>::Acc* __restrict__ part) {
+  static_assert(sizeof(T) != 2, "2-byte types take stats_tile_pair_kernel");
+  stats_tile_body<T>(x, n, channels, hw, n_per_chunk, chunks, groups, part);
+}
+// At least 4 blocks per SM (64 registers): the grid is one wave of the blocks that shared
+// memory allows, 4 per SM for 7x7 fp16, and the pair batches' registers must not allow fewer.
+// A kernel of its own because any such bound on the 4- and 8-byte kernel, even
+// (kThreads, 1), changes their code (fp32: 32 -> 52 registers).
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 4)
+    stats_tile_pair_kernel(const T* __restrict__ x, int64_t n, int64_t channels, int hw,
+                           int64_t n_per_chunk, int64_t chunks, int64_t groups,
+                           typename Io<T>::Acc* __restrict__ part) {
+  static_assert(sizeof(T) == 2, "4- and 8-byte types take stats_tile_kernel");
+  stats_tile_body<T>(x, n, channels, hw, n_per_chunk, chunks, groups, part);
+}
+template <typename T>
+constexpr auto stats_tile_kernel_for() {
+  if constexpr (sizeof(T) == 2)
+    return &stats_tile_pair_kernel<T>;
+  else
+    return &stats_tile_kernel<T>;
+}
+
 // Backward sums (as reduce_backward_kernel) over channel tiles; grid and part as above.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
@@ -738,17 +843,43 @@ __global__ void __launch_bounds__(kThreads)
   const int split = tile_split<T>(hw);
   const int g = tile_thread(split).g;
   const A mean = mean_in[c0 + (g < gc ? g : 0)];
-  const RowPart part_of_row = row_part(hw, split);
   A s_dy = A(0), s_dyx = A(0);
   const T* in[2] = {dy, x};
-  tile_pass<T, 2>(in, reinterpret_cast<T*>(tile_smem), channels, hw, split, c0, gc, na, nb,
-                  [&](const T* (&rows)[2]) {
-                    part_of_row.each([&](int j) {
-                      const A gv = Io<T>::load(rows[0][j]);
-                      s_dy += gv;
-                      s_dyx = fma(gv, Io<T>::load(rows[1][j]) - mean, s_dyx);
+  if constexpr (sizeof(T) == 2) {
+    // dy and x in pairs, as in stats_tile_kernel.
+    const PairPart pp = pair_part(hw, split);
+    tile_pass<T, 2>(in, reinterpret_cast<T*>(tile_smem), channels, hw, split, c0, gc, na, nb,
+                    [&](const T* (&rows)[2]) {
+                      const Pair<T>* ug = reinterpret_cast<const Pair<T>*>(rows[0] + pp.lead);
+                      const Pair<T>* ux = reinterpret_cast<const Pair<T>*>(rows[1] + pp.lead);
+                      if (pp.single >= 0) {
+                        const A gv = Io<T>::load(rows[0][pp.single]);
+                        s_dy += gv;
+                        s_dyx = fma(gv, Io<T>::load(rows[1][pp.single]) - mean, s_dyx);
+                      }
+#pragma unroll 4
+                      for (int k = 0; k < pp.count; ++k) {
+                        const int i = pp.pair(k);
+                        const Pair<T> eg = ug[i], ex = ux[i];
+#pragma unroll
+                        for (int l = 0; l < 2; ++l) {
+                          const A gv = Io<T>::load(eg.v[l]);
+                          s_dy += gv;
+                          s_dyx = fma(gv, Io<T>::load(ex.v[l]) - mean, s_dyx);
+                        }
+                      }
                     });
-                  });
+  } else {
+    const RowPart part_of_row = row_part(hw, split);
+    tile_pass<T, 2>(in, reinterpret_cast<T*>(tile_smem), channels, hw, split, c0, gc, na, nb,
+                    [&](const T* (&rows)[2]) {
+                      part_of_row.each([&](int j) {
+                        const A gv = Io<T>::load(rows[0][j]);
+                        s_dy += gv;
+                        s_dyx = fma(gv, Io<T>::load(rows[1][j]) - mean, s_dyx);
+                      });
+                    });
+  }
   A* sh = reinterpret_cast<A*>(tile_smem);
   sh[threadIdx.x] = s_dy;
   sh[kThreads + threadIdx.x] = s_dyx;
@@ -983,7 +1114,7 @@ dk_status train_forward(const void* xv, const void* weight, const void* bias, vo
   const unsigned grid = static_cast<unsigned>(ch.count * channels);
   const Div32 hwv(mode == kPlaneVectors ? static_cast<uint64_t>(hw / (16 / sizeof(T))) : 1);
   if (mode == kTiles) {
-    if (launch_tiles(stats_tile_kernel<T>, plan, 1, tile_smem_bytes<T>(hw, 1), stream, x, n,
+    if (launch_tiles(stats_tile_kernel_for<T>(), plan, 1, tile_smem_bytes<T>(hw, 1), stream, x, n,
                      channels, static_cast<int>(hw), ch.len, ch.count, plan.groups,
                      part) != DK_OK)
       return DK_CUDA_ERROR;
