@@ -954,31 +954,21 @@ inline size_t elem_size(dk_dtype dtype) {
 inline size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// An attribute of the current device; 0 when it cannot be read (callers then take safe paths).
+inline int device_attribute(cudaDeviceAttr attribute) {
+  int device = 0, value = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&value, attribute, device) != cudaSuccess)
+    return 0;
+  return value;
+}
 inline int device_smem_optin() {
-  int device = 0, bytes = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-          cudaSuccess)
-    return 0;
-  return bytes;
+  return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
 }
-
 inline int device_smem_per_sm() {
-  int device = 0, bytes = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) !=
-          cudaSuccess)
-    return 0;
-  return bytes;
+  return device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor);
 }
-
-inline int device_sms() {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    return 0;
-  return sms;
-}
+inline int device_sms() { return device_attribute(cudaDevAttrMultiProcessorCount); }
 
 // `extent` units cut into about `wanted` chunks, at most `most`, at least `least`, chunk lengths
 // multiples of `align` when longer than it.
