@@ -3,7 +3,8 @@
     python benchmarks/bench_matmul_relu.py [--lib libdeploykit_kernels.so] [--out mm.md]
 
 y = relu(a @ b [+ bias]) for a (m, k), b (k, n). PyTorch's side is torch.relu(a @ b), or
-torch.relu(torch.addmm(bias, a, b)) with a bias, in the same run. fp32 runs with and without
+torch.relu(torch.addmm(bias, a, b)) with a bias, in the same run; its product alone (a @ b or
+addmm, no ReLU) is timed too, to show what the separate ReLU costs. fp32 runs with and without
 TF32 (torch.backends.cuda.matmul.allow_tf32 and our allow_tf32 alike). Times are medians over
 CUDA-graph replays timed with CUDA events, input sets rotating through 3x L2 (timing.py).
 cuBLASLt is loaded from the nvidia-cublas wheel next to torch unless DEPLOYKIT_CUBLASLT_LIB is set.
@@ -85,10 +86,11 @@ def main() -> None:
                 if status != kernels.OK:
                     raise RuntimeError(f"dk_matmul_relu_cuda: status {status}")
 
+            def product(a, b):
+                return a @ b if bias is None else torch.addmm(bias, a, b)
+
             def reference(a, b):
-                if bias is None:
-                    return torch.relu(a @ b)
-                return torch.relu(torch.addmm(bias, a, b))
+                return torch.relu(product(a, b))
 
             ys[0].fill_(float("nan"))
             ours(a_s[0], b_s[0], ys[0])
@@ -101,13 +103,16 @@ def main() -> None:
                 [lambda a=a, b=b, y=y: ours(a, b, y) for a, b, y in zip(a_s, b_s, ys)])
             t_ref = timing.graph_time_us([lambda a=a, b=b: reference(a, b)
                                           for a, b in zip(a_s, b_s)])
+            t_product = timing.graph_time_us([lambda a=a, b=b: product(a, b)
+                                              for a, b in zip(a_s, b_s)])
             flop = 2 * m * k * n
             target = TARGETS.get((m, k, n)) if dtype != torch.float32 and not with_bias else None
             speedup = t_ref / t_ours
             met = "" if target is None else ("yes" if speedup >= target else "NO")
             rows.append([str(dtype)[6:], f"{m}x{k}x{n}", "yes" if with_bias else "no",
                          ("on" if tf32 else "off") if dtype == torch.float32 else "-",
-                         f"{t_ours:.1f}", f"{t_ref:.1f}", f"{speedup:.2f}",
+                         f"{t_ours:.1f}", f"{t_ref:.1f}", f"{speedup:.2f}", f"{t_product:.1f}",
+                         f"{t_product / t_ours:.2f}",
                          f"{flop / t_ours / 1e6:.0f}", f"{flop / t_ref / 1e6:.0f}",
                          {0: "cuBLASLt", 1: "fallback"}.get(path, str(path)),
                          f"{err:.1e} / {torch_err:.1e}", f">= {target:.1f}x" if target else "-",
@@ -120,6 +125,7 @@ def main() -> None:
             traceback.print_exc()
     torch.backends.cuda.matmul.allow_tf32 = saved_tf32
     header = ["dtype", "m x k x n", "bias", "tf32", "ours us", "torch us", "torch/ours",
+              "torch product only us", "product only/ours",
               "ours TFLOP/s", "torch TFLOP/s", "path", "rel err ours / torch (vs fp64)",
               "target", "met"]
     text = timing.write_outputs(args.out, "MatMulRelu (CUDA graphs, median)", env, header, rows,

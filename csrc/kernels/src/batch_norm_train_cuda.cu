@@ -560,7 +560,6 @@ __global__ void __launch_bounds__(kThreads) finalize_backward_kernel(
 constexpr int kTileChannels = 64;
 constexpr int kTileBatch = kThreads / kTileChannels;  // threads per channel
 constexpr int64_t kTileRowBytes = 1024;               // longest row (bytes) the mode takes
-constexpr int kTileUnits = 8;                         // pair loads per statistics batch (2-byte T)
 constexpr int kTileBlocksPerSm = 4;                   // backward grid target
 constexpr int kThreadsPerSm = 2048;                   // resident-thread limit (sm_80 .. sm_90)
 
@@ -722,45 +721,31 @@ __device__ __forceinline__ void stats_tile_body(const T* __restrict__ x, int64_t
   Welford<A> w{A(0), A(0), A(0)};
   const T* in[1] = {x};
   if constexpr (sizeof(T) == 2) {
-    // Each value is read once: a batch of kTileUnits pairs (and the single, in the first
-    // batch) is held in registers, reduced two-pass (mean, then squared deviations), and
-    // Chan-merged.
+    // Each value is read once, in pairs, into one pass of shifted sums (x - shift and its
+    // square, fp32) per row, Chan-merged once per row as in the 4- and 8-byte loop. The
+    // difference of two 2-byte values is exact in fp32 and shift is a value of the channel, so
+    // m2 = sum(d^2) - sum(d)^2 / count loses only the bits of (row mean - shift)^2 / variance.
     const PairPart pp = pair_part(hw, split);
-    const int batches = pp.count > 0 ? (pp.count + kTileUnits - 1) / kTileUnits : 1;
+    const A count = A(2 * pp.count + (pp.single >= 0 ? 1 : 0));
+    const A inv_count = count > A(0) ? A(1) / count : A(0);
     tile_pass<T, 1>(in, reinterpret_cast<T*>(tile_smem), channels, hw, split, c0, gc, na, nb,
                     [&](const T* (&rows)[1]) {
                       const Pair<T>* u = reinterpret_cast<const Pair<T>*>(rows[0] + pp.lead);
-                      const bool has_single = pp.single >= 0;
-                      const A one = has_single ? Io<T>::load(rows[0][pp.single]) - shift : A(0);
-                      for (int b = 0; b < batches; ++b) {
-                        const int k0 = b * kTileUnits;
-                        const int valid = pp.count - k0 < kTileUnits ? pp.count - k0 : kTileUnits;
-                        const bool first = b == 0 && has_single;
-                        A v[kTileUnits][2];
-                        A s = first ? one : A(0);
-#pragma unroll
-                        for (int j = 0; j < kTileUnits; ++j) {
-                          Pair<T> e{};
-                          if (j < valid) e = u[pp.pair(k0 + j)];
-#pragma unroll
-                          for (int l = 0; l < 2; ++l) {
-                            v[j][l] = j < valid ? Io<T>::load(e.v[l]) - shift : A(0);
-                            s += v[j][l];
-                          }
-                        }
-                        const int cnt = (valid > 0 ? valid : 0) * 2 + (first ? 1 : 0);
-                        const A m = ratio(s, A(cnt));
-                        A q = A(0);
-                        if (first) q = (one - m) * (one - m);
-#pragma unroll
-                        for (int j = 0; j < kTileUnits; ++j)
-#pragma unroll
-                          for (int l = 0; l < 2; ++l) {
-                            const A d = v[j][l] - m;
-                            if (j < valid) q = fma(d, d, q);
-                          }
-                        w.merge(A(cnt), m, q);
+                      A s = A(0), q = A(0);
+                      if (pp.single >= 0) {
+                        const A d = Io<T>::load(rows[0][pp.single]) - shift;
+                        s = d;
+                        q = d * d;
                       }
+                      for (int j = 0; j < pp.count; ++j) {
+                        const Pair<T> e = u[pp.pair(j)];
+                        const A d0 = Io<T>::load(e.v[0]) - shift;
+                        const A d1 = Io<T>::load(e.v[1]) - shift;
+                        s += d0 + d1;
+                        q = fma(d0, d0, fma(d1, d1, q));
+                      }
+                      const A m = s * inv_count;
+                      w.merge(count, m, fmax(fma(-s, m, q), A(0)));
                     });
   } else {
     const RowPart part_of_row = row_part(hw, split);
@@ -808,7 +793,7 @@ __global__ void __launch_bounds__(kThreads)
   stats_tile_body<T>(x, n, channels, hw, n_per_chunk, chunks, groups, part);
 }
 // At least 4 blocks per SM (64 registers): the grid is one wave of the blocks that shared
-// memory allows, 4 per SM for 7x7 fp16, and the pair batches' registers must not allow fewer.
+// memory allows, 4 per SM for 7x7 fp16, and registers must not allow fewer.
 // A kernel of its own because any such bound on the 4- and 8-byte kernel, even
 // (kThreads, 1), changes their code (fp32: 32 -> 52 registers).
 template <typename T>
