@@ -602,19 +602,38 @@ __device__ __forceinline__ TileThread tile_thread(int split) {
   return TileThread{t % split, (t / split) % kTileChannels, t / (split * kTileChannels)};
 }
 
-// Runs the stages of one block: channels [c0, c0 + gc) for n in [na, nb), kTileBatch / split
-// values of n per stage; calls row(const T* (&rows)[kInputs]) for this thread's row of each
-// stage (shared memory).
+// What a tile block owns (grid: chunks * groups blocks, chunk-major): chunk k = n in [na, nb),
+// channels [c0, c0 + gc); split and this thread's channel g < kTileChannels (g >= gc: idle).
+struct TileBlock {
+  int64_t k, c0, na, nb;
+  int gc, split, g;
+  // This thread's channel, or the group's first for an idle thread (a valid address).
+  __device__ __forceinline__ int64_t channel() const { return c0 + (g < gc ? g : 0); }
+};
+template <typename T>
+__device__ __forceinline__ TileBlock tile_block(int64_t n, int64_t channels, int hw,
+                                                int64_t n_per_chunk, int64_t groups) {
+  const int64_t k = blockIdx.x / groups;
+  const int64_t c0 = (blockIdx.x - k * groups) * kTileChannels;
+  const int gc = static_cast<int>(channels - c0 < kTileChannels ? channels - c0 : kTileChannels);
+  const int64_t na = k * n_per_chunk, nb = na + n_per_chunk < n ? na + n_per_chunk : n;
+  const int split = tile_split<T>(hw);
+  return TileBlock{k, c0, na, nb, gc, split, tile_thread(split).g};
+}
+
+// Runs the stages of block b, kTileBatch / split values of n per stage; calls
+// row(const T* (&rows)[kInputs]) for this thread's row of each stage (shared memory).
 template <typename T, int kInputs, typename Row>
 __device__ __forceinline__ void tile_pass(const T* const (&in)[kInputs], T* smem,
-                                          int64_t channels, int hw, int split, int64_t c0,
-                                          int gc, int64_t na, int64_t nb, Row&& row) {
+                                          int64_t channels, int hw, const TileBlock& b,
+                                          Row&& row) {
+  const int split = b.split, gc = b.gc, g = b.g;
+  const int64_t c0 = b.c0, na = b.na, nb = b.nb;
   const int batch = kTileBatch / split;
   const int64_t stage = int64_t{kThreads / split} * hw;  // elements per input and stage buffer
   const int seg_vecs = static_cast<int>(gc * hw * static_cast<int>(sizeof(T)) / 16);
   const int64_t stages = (nb - na + batch - 1) / batch;
-  const TileThread me = tile_thread(split);
-  const int r = me.r, g = me.g;
+  const int r = tile_thread(split).r;
   auto issue = [&](int64_t st) {
     for (int rr = 0; rr < batch; ++rr) {
       const int64_t n = na + st * batch + rr;
@@ -701,9 +720,8 @@ __device__ __forceinline__ int tile_thread_of(int g, int i, int split) {
   return (i / split) * split * kTileChannels + g * split + i % split;
 }
 
-// Grid: chunks * groups blocks, chunk-major (the last blocks read the end of the tensor).
-// part as in stats_kernel, chunk k = range of n. The body of stats_tile_kernel (4- and 8-byte
-// types) and stats_tile_pair_kernel (2-byte types).
+// part as in stats_kernel, chunk k = range of n (TileBlock). The body of stats_tile_kernel (4-
+// and 8-byte types) and stats_tile_pair_kernel (2-byte types).
 template <typename T>
 __device__ __forceinline__ void stats_tile_body(const T* __restrict__ x, int64_t n,
                                                 int64_t channels, int hw, int64_t n_per_chunk,
@@ -711,13 +729,8 @@ __device__ __forceinline__ void stats_tile_body(const T* __restrict__ x, int64_t
                                                 typename Io<T>::Acc* __restrict__ part) {
   using A = typename Io<T>::Acc;
   extern __shared__ uint4 tile_smem[];
-  const int64_t k = blockIdx.x / groups;
-  const int64_t c0 = (blockIdx.x - k * groups) * kTileChannels;
-  const int gc = static_cast<int>(channels - c0 < kTileChannels ? channels - c0 : kTileChannels);
-  const int64_t na = k * n_per_chunk, nb = na + n_per_chunk < n ? na + n_per_chunk : n;
-  const int split = tile_split<T>(hw);
-  const int g = tile_thread(split).g;
-  const A shift = Io<T>::load(x[(c0 + (g < gc ? g : 0)) * hw]);
+  const TileBlock b = tile_block<T>(n, channels, hw, n_per_chunk, groups);
+  const A shift = Io<T>::load(x[b.channel() * hw]);
   Welford<A> w{A(0), A(0), A(0)};
   const T* in[1] = {x};
   if constexpr (sizeof(T) == 2) {
@@ -725,10 +738,10 @@ __device__ __forceinline__ void stats_tile_body(const T* __restrict__ x, int64_t
     // square, fp32) per row, Chan-merged once per row as in the 4- and 8-byte loop. The
     // difference of two 2-byte values is exact in fp32 and shift is a value of the channel, so
     // m2 = sum(d^2) - sum(d)^2 / count loses only the bits of (row mean - shift)^2 / variance.
-    const PairPart pp = pair_part(hw, split);
+    const PairPart pp = pair_part(hw, b.split);
     const A count = A(2 * pp.count + (pp.single >= 0 ? 1 : 0));
     const A inv_count = count > A(0) ? A(1) / count : A(0);
-    tile_pass<T, 1>(in, reinterpret_cast<T*>(tile_smem), channels, hw, split, c0, gc, na, nb,
+    tile_pass<T, 1>(in, reinterpret_cast<T*>(tile_smem), channels, hw, b,
                     [&](const T* (&rows)[1]) {
                       const Pair<T>* u = reinterpret_cast<const Pair<T>*>(rows[0] + pp.lead);
                       A s = A(0), q = A(0);
@@ -748,9 +761,9 @@ __device__ __forceinline__ void stats_tile_body(const T* __restrict__ x, int64_t
                       w.merge(count, m, fmax(fma(-s, m, q), A(0)));
                     });
   } else {
-    const RowPart part_of_row = row_part(hw, split);
+    const RowPart part_of_row = row_part(hw, b.split);
     const A inv_count = A(1) / A(part_of_row.count);
-    tile_pass<T, 1>(in, reinterpret_cast<T*>(tile_smem), channels, hw, split, c0, gc, na, nb,
+    tile_pass<T, 1>(in, reinterpret_cast<T*>(tile_smem), channels, hw, b,
                     [&](const T* (&rows)[1]) {
                       const T* p = rows[0];
                       A s = A(0);
@@ -770,14 +783,14 @@ __device__ __forceinline__ void stats_tile_body(const T* __restrict__ x, int64_t
   sh[kThreads + threadIdx.x] = w.mean;
   sh[2 * kThreads + threadIdx.x] = w.m2;
   __syncthreads();
-  if (static_cast<int>(threadIdx.x) < gc) {
+  if (static_cast<int>(threadIdx.x) < b.gc) {
     Welford<A> r{A(0), A(0), A(0)};
 #pragma unroll
     for (int i = 0; i < kTileBatch; ++i) {
-      const int t = tile_thread_of(threadIdx.x, i, split);
+      const int t = tile_thread_of(threadIdx.x, i, b.split);
       r.merge(sh[t], sh[kThreads + t], sh[2 * kThreads + t]);
     }
-    const int64_t p = (c0 + threadIdx.x) * chunks + k, parts = channels * chunks;
+    const int64_t p = (b.c0 + threadIdx.x) * chunks + b.k, parts = channels * chunks;
     part[p] = r.n;
     part[parts + p] = r.mean;
     part[2 * parts + p] = r.m2;
@@ -821,19 +834,14 @@ __global__ void __launch_bounds__(kThreads)
                        int64_t groups, typename Io<T>::Acc* __restrict__ part) {
   using A = typename Io<T>::Acc;
   extern __shared__ uint4 tile_smem[];
-  const int64_t k = blockIdx.x / groups;
-  const int64_t c0 = (blockIdx.x - k * groups) * kTileChannels;
-  const int gc = static_cast<int>(channels - c0 < kTileChannels ? channels - c0 : kTileChannels);
-  const int64_t na = k * n_per_chunk, nb = na + n_per_chunk < n ? na + n_per_chunk : n;
-  const int split = tile_split<T>(hw);
-  const int g = tile_thread(split).g;
-  const A mean = mean_in[c0 + (g < gc ? g : 0)];
+  const TileBlock b = tile_block<T>(n, channels, hw, n_per_chunk, groups);
+  const A mean = mean_in[b.channel()];
   A s_dy = A(0), s_dyx = A(0);
   const T* in[2] = {dy, x};
   if constexpr (sizeof(T) == 2) {
     // dy and x in pairs, as in stats_tile_kernel.
-    const PairPart pp = pair_part(hw, split);
-    tile_pass<T, 2>(in, reinterpret_cast<T*>(tile_smem), channels, hw, split, c0, gc, na, nb,
+    const PairPart pp = pair_part(hw, b.split);
+    tile_pass<T, 2>(in, reinterpret_cast<T*>(tile_smem), channels, hw, b,
                     [&](const T* (&rows)[2]) {
                       const Pair<T>* ug = reinterpret_cast<const Pair<T>*>(rows[0] + pp.lead);
                       const Pair<T>* ux = reinterpret_cast<const Pair<T>*>(rows[1] + pp.lead);
@@ -855,8 +863,8 @@ __global__ void __launch_bounds__(kThreads)
                       }
                     });
   } else {
-    const RowPart part_of_row = row_part(hw, split);
-    tile_pass<T, 2>(in, reinterpret_cast<T*>(tile_smem), channels, hw, split, c0, gc, na, nb,
+    const RowPart part_of_row = row_part(hw, b.split);
+    tile_pass<T, 2>(in, reinterpret_cast<T*>(tile_smem), channels, hw, b,
                     [&](const T* (&rows)[2]) {
                       part_of_row.each([&](int j) {
                         const A gv = Io<T>::load(rows[0][j]);
@@ -869,15 +877,15 @@ __global__ void __launch_bounds__(kThreads)
   sh[threadIdx.x] = s_dy;
   sh[kThreads + threadIdx.x] = s_dyx;
   __syncthreads();
-  if (static_cast<int>(threadIdx.x) < gc) {
+  if (static_cast<int>(threadIdx.x) < b.gc) {
     A r0 = A(0), r1 = A(0);
 #pragma unroll
     for (int i = 0; i < kTileBatch; ++i) {
-      const int t = tile_thread_of(threadIdx.x, i, split);
+      const int t = tile_thread_of(threadIdx.x, i, b.split);
       r0 += sh[t];
       r1 += sh[kThreads + t];
     }
-    const int64_t p = (c0 + threadIdx.x) * chunks + k;
+    const int64_t p = (b.c0 + threadIdx.x) * chunks + b.k;
     part[p] = r0;
     part[channels * chunks + p] = r1;
   }
