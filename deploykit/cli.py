@@ -167,11 +167,13 @@ def _print_summary(result) -> None:
                 output["name"], str(run["batch"]),
                 f"{m.get('max_abs', float('nan')):.3g}", f"{m.get('max_rel', float('nan')):.3g}",
                 f"{m.get('cosine', float('nan')):.7f}", "" if top1 is None else f"{top1:.3f}",
-                "[green]pass[/]" if output["passed"] else "[red]FAIL[/]",
+                ("[green]pass*[/]" if output["waived"] else "[green]pass[/]") if output["passed"] else "[red]FAIL[/]",
             )
     console.print(table)
     for other in others:
         console.print(f"{other['label']} ({other['backend']}): {'pass' if other['passed'] else 'FAIL'}")
+    for line in report["notes"]:
+        console.print(f"[yellow]*[/] {line}", soft_wrap=True)
     for line in report["failures"]:
         console.print(f"[red]✗[/] {line}", soft_wrap=True)
     colour = "green" if result.passed else "red"

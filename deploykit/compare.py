@@ -3,6 +3,8 @@
 An output passes when every finite element satisfies ``|d| <= atol + rtol * |ref|``,
 the cosine similarity reaches ``min_cosine``, NaN/Inf appear exactly where the
 reference has them, and (when ``min_top1`` is set) 2-D logits agree on the top class.
+An output that misses only those numeric tolerances can still pass against a float64 run of
+the model (``judge_by_float64``): when it is no further from float64 than PyTorch fp32 is.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ DEFAULT_TOLERANCES = {
 _REL_EPS = 1e-12
 #: Largest number of error samples kept for the report's histogram.
 _HISTOGRAM_SAMPLES = 200_000
+#: An output within this many times PyTorch fp32's own error against float64 lost nothing.
+FP32_NOISE_MARGIN = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +35,8 @@ class Tolerance:
     rtol: float
     min_cosine: float
     min_top1: float | None = None
+    #: set by --tolerance: the user's bound holds as given, float64 does not judge it
+    user_set: bool = False
 
     @classmethod
     def for_precision(cls, precision: str) -> Tolerance:
@@ -41,7 +47,7 @@ class Tolerance:
         changes = {}
         for item in filter(None, text.split(",")):
             key, _, value = item.partition("=")
-            if key not in {f.name for f in dataclasses.fields(self)}:
+            if key not in {"atol", "rtol", "min_cosine", "min_top1"}:
                 raise BadInputError(
                     f"--tolerance: unknown key {key!r}; use atol, rtol, min_cosine or min_top1"
                 )
@@ -49,7 +55,7 @@ class Tolerance:
                 changes[key] = float(value)
             except ValueError:
                 raise BadInputError(f"--tolerance: {item!r} needs a number, e.g. {key}=1e-3") from None
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **changes, user_set=True)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -83,6 +89,28 @@ class OutputComparison:
     passed: bool
     failures: list[str]
     abs_error_sample: np.ndarray = dataclasses.field(repr=False)
+    #: it misses only default numeric tolerances (no shape, NaN or Inf mismatch, no --tolerance
+    #: of the user's), which may be fp32 rounding of the model itself: float64 may judge it
+    may_be_rounding: bool = False
+    #: failures waived because the error is fp32 rounding of the model itself (judge_by_float64)
+    waived: list[str] = dataclasses.field(default_factory=list)
+
+    def judge_by_float64(self, ref: np.ndarray, cand: np.ndarray, exact: np.ndarray) -> None:
+        """Pass a numeric failure that is no larger than PyTorch fp32's own rounding error.
+
+        Deep networks with large activations amplify rounding: PyTorch fp32 itself then misses
+        the float64 result by more than the tolerance, and a graph that misses PyTorch fp32 by
+        as much has lost nothing that fp32 can keep.
+        """
+        fp32_error, error = _max_abs_error(ref, exact), _max_abs_error(cand, exact)
+        self.metrics["float64"] = {"pytorch_fp32_max_abs": fp32_error, "max_abs": error}
+        if error <= FP32_NOISE_MARGIN * fp32_error:
+            self.waived, self.failures, self.passed = self.failures, [], True
+        else:
+            self.failures.append(
+                f"against float64 it errs by {error:.3g}, more than {FP32_NOISE_MARGIN:g}x "
+                f"PyTorch fp32's own {fp32_error:.3g}: more than fp32 rounding explains"
+            )
 
     def to_json(self) -> dict:
         return {
@@ -90,6 +118,7 @@ class OutputComparison:
             "shape": list(self.shape),
             "passed": self.passed,
             "failures": self.failures,
+            "waived": self.waived,
             "metrics": self.metrics,
             "tolerance": self.tolerance.to_json(),
         }
@@ -113,6 +142,13 @@ def _nice_ceiling(value: float) -> float:
             if candidate >= value:
                 return candidate
         exponent += 1
+
+
+def _max_abs_error(a: np.ndarray, b: np.ndarray) -> float:
+    """max |a - b| in float64 over the elements finite in both."""
+    a64, b64 = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    finite = np.isfinite(a64) & np.isfinite(b64)
+    return float(np.abs(a64[finite] - b64[finite]).max(initial=0.0))
 
 
 def compare_output(name: str, ref: np.ndarray, cand: np.ndarray, tol: Tolerance) -> OutputComparison:
@@ -140,14 +176,16 @@ def compare_output(name: str, ref: np.ndarray, cand: np.ndarray, tol: Tolerance)
     }
     if ref.ndim == 2 and ref.shape[1] > 1:
         metrics["top1_agreement"] = float((ref.argmax(1) == cand.argmax(1)).mean())
-    failures = _check(metrics, diff, magnitude, ref64, cand64, tol)
+    numeric = _numeric_failures(metrics, diff, magnitude, tol)
+    failures = numeric + _special_value_failures(ref64, cand64)
     sample = diff if diff.size <= _HISTOGRAM_SAMPLES else np.random.default_rng(0).choice(
         diff, _HISTOGRAM_SAMPLES, replace=False)
-    return OutputComparison(name, ref.shape, metrics, tol, not failures, failures, sample)
+    return OutputComparison(name, ref.shape, metrics, tol, not failures, failures, sample,
+                            may_be_rounding=bool(numeric) and len(numeric) == len(failures) and not tol.user_set)
 
 
-def _check(metrics, diff, magnitude, ref64, cand64, tol: Tolerance) -> list[str]:
-    """Reasons the output fails, each with the tolerance that would have passed."""
+def _numeric_failures(metrics, diff, magnitude, tol: Tolerance) -> list[str]:
+    """Tolerances the output misses, each with the value that would have passed."""
     failures = []
     excess = diff - (tol.atol + tol.rtol * magnitude)
     if diff.size and excess.max() > 0:
@@ -162,6 +200,15 @@ def _check(metrics, diff, magnitude, ref64, cand64, tol: Tolerance) -> list[str]
             f"cosine {metrics['cosine']:.7f} < min_cosine={tol.min_cosine:g}; "
             f"min_cosine={math.floor(metrics['cosine'] * 1e6) / 1e6:g} would pass"
         )
+    top1 = metrics.get("top1_agreement")
+    if tol.min_top1 is not None and top1 is not None and top1 < tol.min_top1:
+        failures.append(f"top-1 agreement {top1:.4f} < min_top1={tol.min_top1:g}")
+    return failures
+
+
+def _special_value_failures(ref64, cand64) -> list[str]:
+    """NaN and Inf where the reference has none, or of the other sign."""
+    failures = []
     for kind, test in (("NaN", np.isnan), ("Inf", np.isinf)):
         mismatched = int((test(ref64) != test(cand64)).sum())
         if mismatched:
@@ -169,7 +216,4 @@ def _check(metrics, diff, magnitude, ref64, cand64, tol: Tolerance) -> list[str]
     flipped = int((np.isinf(ref64) & np.isinf(cand64) & (ref64 != cand64)).sum())
     if flipped:
         failures.append(f"{flipped} elements are Inf of the opposite sign to the reference's")
-    top1 = metrics.get("top1_agreement")
-    if tol.min_top1 is not None and top1 is not None and top1 < tol.min_top1:
-        failures.append(f"top-1 agreement {top1:.4f} < min_top1={tol.min_top1:g}")
     return failures

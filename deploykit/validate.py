@@ -53,20 +53,38 @@ def validate(
     feed_sets: list[dict[str, np.ndarray]],
     tolerances: dict[str, Tolerance],
 ) -> list[CandidateValidation]:
-    """Compare each candidate runner with ``reference`` on every feed set."""
+    """Compare each candidate runner with ``reference`` on every feed set.
+
+    Outputs that miss only default numeric tolerances are then judged against a float64 run of the
+    reference (``OutputComparison.judge_by_float64``), which runs only when there are some.
+    """
     references = [_run(reference, feeds, BadInputError) for feeds in feed_sets]
-    results = []
+    results, numeric_misses = [], []
     for label, runner in candidates.items():
         runs = []
-        for feeds, expected in zip(feed_sets, references):
+        for index, (feeds, expected) in enumerate(zip(feed_sets, references)):
             actual = _run(runner, feeds, DeployKitError)
-            batch = _batch_size(feeds)
-            runs.append(BatchRun(batch, [
-                compare_output(name, expected[name], actual[name], tolerances[name])
-                for name in expected
-            ]))
+            outputs = [compare_output(name, expected[name], actual[name], tolerances[name]) for name in expected]
+            numeric_misses += [(index, o, actual[o.name]) for o in outputs if o.may_be_rounding]
+            runs.append(BatchRun(_batch_size(feeds), outputs))
         results.append(CandidateValidation(label, runner.name, runs))
+    if numeric_misses:
+        _judge_by_float64(reference, feed_sets, references, numeric_misses)
     return results
+
+
+def _judge_by_float64(reference, feed_sets, references, misses) -> None:
+    """Run the reference in float64 on the feed sets that need it and judge each miss by it."""
+    try:
+        exact_runner = reference.in_float64()
+        exact = {index: exact_runner.run(feed_sets[index]) for index in sorted({m[0] for m in misses})}
+    except Exception as error:  # a model that fixes its dtypes cannot run in float64: keep the verdict
+        for _, comparison, _ in misses:
+            comparison.metrics["float64"] = {"unavailable": error_summary(error)[:200]}
+        return
+    for index, comparison, actual in misses:
+        name = comparison.name
+        comparison.judge_by_float64(references[index][name], actual, exact[index][name])
 
 
 def _batch_size(feeds: dict[str, np.ndarray]) -> int:

@@ -1,7 +1,7 @@
 """Model factories for the CLI tests (``--factory model_zoo:NAME``).
 
-torchvision models are built with random weights (nothing can be downloaded); the tests
-save state_dicts of instances whose BatchNorm statistics were randomised.
+torchvision and timm models are built with random weights (nothing can be downloaded); the
+tests save state_dicts of instances whose BatchNorm statistics were randomised.
 """
 
 import torch
@@ -25,6 +25,46 @@ def mobilenet_v3_small() -> nn.Module:
 def densenet121() -> nn.Module:
     """BatchNorms after concatenations, which no weight can absorb."""
     return torchvision.models.densenet121(num_classes=17)
+
+
+def _timm(name: str) -> nn.Module:
+    import timm  # a test extra; imported here so that the other factories need none of it
+
+    return timm.create_model(name, num_classes=17)
+
+
+def resnetv2_18() -> nn.Module:
+    """timm's pre-activation ResNet: BatchNorm -> ReLU before each conv, which no weight absorbs."""
+    return _timm("resnetv2_18")
+
+
+def repvgg_a0() -> nn.Module:
+    """timm's RepVGG in its training form: 3x3, 1x1 and identity-BatchNorm branches summed."""
+    return _timm("repvgg_a0")
+
+
+def efficientnet_b0() -> nn.Module:
+    """timm's EfficientNet: depthwise convs, squeeze-excitation, SiLU. With random BatchNorm
+    statistics its outputs reach ~1e3 and fp32 rounding alone exceeds the fp32 tolerance."""
+    return _timm("efficientnet_b0")
+
+
+class Cancelling(nn.Module):
+    """Two products with weights of 1e4 that cancel to outputs of a few units: fp32 keeps errors
+    of a few 1e-2 there, far above the fp32 tolerance, in PyTorch and any other runtime alike."""
+
+    def __init__(self, width: int = 64, outputs: int = 8):
+        super().__init__()
+        weight = torch.linspace(-1.0, 1.0, width * outputs).reshape(width, outputs) * 1e4
+        self.weight = nn.Parameter(weight)
+        self.weight2 = nn.Parameter(-weight * (1 - 1e-4))
+
+    def forward(self, x):
+        return x @ self.weight + x @ self.weight2
+
+
+def cancelling() -> nn.Module:
+    return Cancelling()
 
 
 class Decoder(nn.Module):

@@ -214,13 +214,13 @@ def test_parse_tolerances_defaults_to_the_precision():
 
 def test_unnamed_override_applies_to_every_output():
     tolerances = parse_tolerances(["atol=1e-3,min_top1=0.5"], "fp32", OUTPUTS)
-    assert tolerances == {name: Tolerance(1e-3, 1e-3, 0.99999, 0.5) for name in OUTPUTS}
+    assert tolerances == {name: Tolerance(1e-3, 1e-3, 0.99999, 0.5, user_set=True) for name in OUTPUTS}
 
 
 def test_named_override_applies_to_that_output_only():
     tolerances = parse_tolerances(["atol=1e-3", "logits:rtol=0.05,min_cosine=0.9"], "fp32", OUTPUTS)
-    assert tolerances["logits"] == Tolerance(1e-3, 0.05, 0.9, None)
-    assert tolerances["features"] == Tolerance(1e-3, 1e-3, 0.99999, None)
+    assert tolerances["logits"] == Tolerance(1e-3, 0.05, 0.9, None, user_set=True)
+    assert tolerances["features"] == Tolerance(1e-3, 1e-3, 0.99999, None, user_set=True)
 
 
 def test_output_names_containing_a_colon_can_be_targeted():
@@ -266,3 +266,49 @@ def test_histogram_sample_is_capped_for_a_huge_array():
     assert sample.shape == (200_000,)
     assert np.isin(sample, error).all()
     assert len(np.unique(sample)) == sample.size  # drawn without replacement
+
+
+# --- judging a numeric miss against float64 -----------------------------------------------
+
+EXACT = np.array([[1000.0, -250.0, 3.0], [0.5, 12.0, -7.0]])
+#: PyTorch fp32's own rounding error in this model: far above atol + rtol * |ref|.
+FP32_ERROR = np.array([[0.9, -0.4, 0.0], [0.0, 0.2, 0.0]])
+
+
+def test_a_miss_within_pytorch_fp32_rounding_passes_and_keeps_its_reasons():
+    ref = EXACT + FP32_ERROR
+    cand = EXACT - 2 * FP32_ERROR  # 3x the error against ref, 2x against float64
+    result = compare(ref, cand)
+    assert not result.passed and result.may_be_rounding
+    reasons = list(result.failures)
+    result.judge_by_float64(ref, cand, EXACT)
+    assert result.passed and result.failures == [] and result.waived == reasons
+    assert result.metrics["float64"] == {"pytorch_fp32_max_abs": pytest.approx(0.9),
+                                         "max_abs": pytest.approx(1.8)}
+    assert result.to_json()["waived"] == reasons
+
+
+def test_a_miss_beyond_the_margin_fails_and_says_it_is_not_rounding():
+    ref = EXACT + FP32_ERROR
+    cand = EXACT + 5 * FP32_ERROR  # 5x PyTorch fp32's error against float64 (margin 4x)
+    result = compare(ref, cand)
+    result.judge_by_float64(ref, cand, EXACT)
+    assert not result.passed and result.waived == []
+    message = failure_with(result, "more than fp32 rounding explains")
+    assert "4.5" in message and "0.9" in message
+
+
+@pytest.mark.parametrize("case", ["nan", "shape", "user tolerance", "passes"])
+def test_only_default_numeric_misses_may_be_judged_by_float64(case):
+    ref = EXACT + FP32_ERROR
+    cand = EXACT - 2 * FP32_ERROR
+    if case == "nan":
+        cand[0, 2] = np.nan
+        result = compare(ref, cand)
+    elif case == "shape":
+        result = compare(ref, cand[:1])
+    elif case == "user tolerance":
+        result = compare(ref, cand, FP32.updated("atol=1e-3"))
+    else:
+        result = compare(ref, ref.copy())
+    assert not result.may_be_rounding

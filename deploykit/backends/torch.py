@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 
@@ -28,22 +30,37 @@ def default_output_names(count: int) -> list[str]:
 
 
 class TorchRunner:
-    """Runs the loaded model on numpy feeds and names its outputs."""
+    """Runs the loaded model on numpy feeds and names its outputs (float outputs as fp32)."""
 
-    name = "pytorch"
-
-    def __init__(self, loaded: LoadedModel, input_names: list[str]):
+    def __init__(self, loaded: LoadedModel, input_names: list[str], float_type: torch.dtype = torch.float32):
         self.loaded = loaded
         self.input_names = input_names
         self.output_names: list[str] | None = None
+        self.float_type = float_type
+        exact = float_type == torch.float64
+        self.module = copy.deepcopy(loaded.module).double() if exact else loaded.module
+        self.name = "pytorch-float64" if exact else "pytorch"
+
+    def in_float64(self) -> TorchRunner:
+        """A runner of a float64 copy of the model: the nearly exact result that tells the
+        rounding error of fp32 itself. Fails (as PyTorch does) where the model fixes its dtypes."""
+        exact = TorchRunner(self.loaded, self.input_names, torch.float64)
+        exact.output_names = self.output_names
+        return exact
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        args = [torch.from_numpy(np.ascontiguousarray(feeds[name])) for name in self.input_names]
+        args = [self._tensor(feeds[name]) for name in self.input_names]
         with torch.inference_mode():
-            tensors = flatten_outputs(self.loaded.module(*args))
+            tensors = flatten_outputs(self.module(*args))
         if self.output_names is None:
             self.output_names = default_output_names(len(tensors))
         return {
-            name: tensor.detach().float().numpy() if tensor.is_floating_point() else tensor.numpy()
+            name: tensor.detach().to(self.float_type).numpy() if tensor.is_floating_point() else tensor.numpy()
             for name, tensor in zip(self.output_names, tensors)
         }
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        """The feed as given; float feeds of the float64 copy in float64."""
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        exact = self.float_type == torch.float64 and tensor.is_floating_point()
+        return tensor.to(torch.float64) if exact else tensor
