@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from deploykit.compare import OutputComparison, Tolerance, compare_output
+from deploykit.compare import OutputComparison, Tolerance, compare_output, max_abs_error
 from deploykit.errors import BadInputError, DeployKitError, error_summary
 
 
@@ -18,6 +18,9 @@ class BatchRun:
     @property
     def passed(self) -> bool:
         return all(o.passed for o in self.outputs)
+
+    def output(self, name: str) -> OutputComparison:
+        return next(o for o in self.outputs if o.name == name)
 
 
 @dataclasses.dataclass
@@ -52,39 +55,52 @@ def validate(
     candidates: dict[str, object],
     feed_sets: list[dict[str, np.ndarray]],
     tolerances: dict[str, Tolerance],
+    fp32_peer: str | None = None,
 ) -> list[CandidateValidation]:
     """Compare each candidate runner with ``reference`` on every feed set.
 
-    Outputs that miss only default numeric tolerances are then judged against a float64 run of the
-    reference (``OutputComparison.judge_by_float64``), which runs only when there are some.
+    Outputs that miss only default numeric tolerances are then judged against a float64 run of
+    the reference (``OutputComparison.judge_by_float64``), which runs only when there are some.
+    ``fp32_peer`` labels a candidate that is another fp32 implementation of the model (the plain
+    export): where it passes, its error against float64 counts as fp32 rounding too.
     """
     references = [_run(reference, feeds, BadInputError) for feeds in feed_sets]
-    results, numeric_misses = [], []
+    results, actuals = [], {}
     for label, runner in candidates.items():
-        runs = []
-        for index, (feeds, expected) in enumerate(zip(feed_sets, references)):
+        runs, actuals[label] = [], []
+        for feeds, expected in zip(feed_sets, references):
             actual = _run(runner, feeds, DeployKitError)
-            outputs = [compare_output(name, expected[name], actual[name], tolerances[name]) for name in expected]
-            numeric_misses += [(index, o, actual[o.name]) for o in outputs if o.may_be_rounding]
-            runs.append(BatchRun(_batch_size(feeds), outputs))
+            actuals[label].append(actual)
+            runs.append(BatchRun(_batch_size(feeds), [
+                compare_output(name, expected[name], actual[name], tolerances[name]) for name in expected
+            ]))
         results.append(CandidateValidation(label, runner.name, runs))
-    if numeric_misses:
-        _judge_by_float64(reference, feed_sets, references, numeric_misses)
+    misses = [(result, index, output) for result in results for index, run in enumerate(result.runs)
+              for output in run.outputs if output.may_be_rounding]
+    if misses:
+        # the peer's first: whether it passes decides whether its error counts as rounding
+        misses.sort(key=lambda miss: miss[0].label != fp32_peer)
+        peer = next((result for result in results if result.label == fp32_peer), None)
+        _judge_by_float64(reference, feed_sets, references, actuals, misses, peer)
     return results
 
 
-def _judge_by_float64(reference, feed_sets, references, misses) -> None:
-    """Run the reference in float64 on the feed sets that need it and judge each miss by it."""
+def _judge_by_float64(reference, feed_sets, references, actuals, misses, peer) -> None:
+    """Run the reference in float64 on the feed sets that need it and judge each miss by it
+    (``peer``: the fp32 peer's validation, or None)."""
     try:
         exact_runner = reference.in_float64()
-        exact = {index: exact_runner.run(feed_sets[index]) for index in sorted({m[0] for m in misses})}
+        exact = {index: exact_runner.run(feed_sets[index]) for index in sorted({m[1] for m in misses})}
     except Exception as error:  # a model that fixes its dtypes cannot run in float64: keep the verdict
-        for _, comparison, _ in misses:
-            comparison.metrics["float64"] = {"unavailable": error_summary(error)[:200]}
+        for _, _, output in misses:
+            output.metrics["float64"] = {"unavailable": error_summary(error)[:200]}
         return
-    for index, comparison, actual in misses:
-        name = comparison.name
-        comparison.judge_by_float64(references[index][name], actual, exact[index][name])
+    for result, index, output in misses:
+        name, peer_error = output.name, None
+        if peer is not None and result is not peer and peer.runs[index].output(name).passed:
+            peer_error = max_abs_error(actuals[peer.label][index][name], exact[index][name])
+        output.judge_by_float64(references[index][name], actuals[result.label][index][name],
+                                exact[index][name], peer_error)
 
 
 def _batch_size(feeds: dict[str, np.ndarray]) -> int:

@@ -283,7 +283,7 @@ def test_a_miss_within_pytorch_fp32_rounding_passes_and_keeps_its_reasons():
     reasons = list(result.failures)
     result.judge_by_float64(ref, cand, EXACT)
     assert result.passed and result.failures == [] and result.waived == reasons
-    assert result.metrics["float64"] == {"pytorch_fp32_max_abs": pytest.approx(0.9),
+    assert result.metrics["float64"] == {"pytorch_fp32_max_abs": pytest.approx(0.9), "fp32_max_abs": pytest.approx(0.9),
                                          "max_abs": pytest.approx(1.8)}
     assert result.to_json()["waived"] == reasons
 
@@ -296,6 +296,15 @@ def test_a_miss_beyond_the_margin_fails_and_says_it_is_not_rounding():
     assert not result.passed and result.waived == []
     message = failure_with(result, "more than fp32 rounding explains")
     assert "4.5" in message and "0.9" in message
+
+
+def test_a_peer_implementation_widens_what_counts_as_fp32_rounding():
+    ref = EXACT + FP32_ERROR
+    cand = EXACT + 5 * FP32_ERROR
+    result = compare(ref, cand)
+    result.judge_by_float64(ref, cand, EXACT, peer_error=1.8)  # the peer errs 2x PyTorch fp32
+    assert result.passed and result.metrics["float64"]["fp32_max_abs"] == 1.8
+    assert result.metrics["float64"]["plain_export_max_abs"] == 1.8
 
 
 @pytest.mark.parametrize("case", ["nan", "shape", "user tolerance", "passes"])

@@ -58,6 +58,21 @@ def run(module, factor, tolerances=FP32):
     return result.runs[0].outputs[0]
 
 
+@pytest.mark.parametrize("peer_factor, passes", [(2.0, True), (-2.0, True), (5.0, False), (None, False)])
+def test_a_passing_fp32_peer_counts_as_rounding_too(peer_factor, passes):
+    """A candidate at 6x PyTorch fp32's error passes only next to a peer that errs 2x and passes."""
+    module = Cancelling()
+    candidates = {"candidate": Offset(module, 6.0)}
+    if peer_factor is not None:
+        candidates["peer"] = Offset(module, peer_factor)
+    results = validate(reference(module), candidates, FEEDS, FP32, fp32_peer="peer")
+    output = results[0].runs[0].outputs[0]
+    assert output.passed is passes
+    if peer_factor is not None:
+        assert results[1].runs[0].outputs[0].passed is (abs(peer_factor) <= 4)
+        assert ("plain_export_max_abs" in output.metrics["float64"]) is (abs(peer_factor) <= 4)
+
+
 def test_the_exact_result_misses_pytorch_fp32_yet_passes():
     output = run(Cancelling(), factor=0.0)
     assert output.passed and output.waived and output.metrics["float64"]["max_abs"] == 0.0
@@ -67,7 +82,7 @@ def test_a_candidate_within_fp32_rounding_passes_with_its_misses_recorded():
     output = run(Cancelling(), factor=-1.0)  # as far from float64 as PyTorch fp32, other side
     assert output.passed and output.failures == [] and output.waived
     judged = output.metrics["float64"]
-    assert judged["max_abs"] == pytest.approx(judged["pytorch_fp32_max_abs"], rel=1e-6)
+    assert judged["max_abs"] == pytest.approx(judged["pytorch_fp32_max_abs"], rel=1e-6) == judged["fp32_max_abs"]
     assert judged["pytorch_fp32_max_abs"] > 1e-2
 
 
