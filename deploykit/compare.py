@@ -37,10 +37,12 @@ class Tolerance:
     min_top1: float | None = None
     #: set by --tolerance: the user's bound holds as given, float64 does not judge it
     user_set: bool = False
+    #: the precision of the graph it judges; only fp32 misses can be fp32 rounding
+    precision: str = "fp32"
 
     @classmethod
     def for_precision(cls, precision: str) -> Tolerance:
-        return cls(**DEFAULT_TOLERANCES[precision])
+        return cls(**DEFAULT_TOLERANCES[precision], precision=precision)
 
     def updated(self, text: str) -> Tolerance:
         """Apply ``atol=1e-3,rtol=1e-2,min_cosine=0.999,min_top1=0.99`` overrides."""
@@ -89,8 +91,8 @@ class OutputComparison:
     passed: bool
     failures: list[str]
     abs_error_sample: np.ndarray = dataclasses.field(repr=False)
-    #: it misses only default numeric tolerances (no shape, NaN or Inf mismatch, no --tolerance
-    #: of the user's), which may be fp32 rounding of the model itself: float64 may judge it
+    #: an fp32 graph that misses only default numeric tolerances (no shape, NaN or Inf mismatch,
+    #: no --tolerance of the user's): it may be fp32 rounding of the model itself, float64 may judge it
     may_be_rounding: bool = False
     #: failures waived because the error is fp32 rounding of the model itself (judge_by_float64)
     waived: list[str] = dataclasses.field(default_factory=list)
@@ -187,7 +189,8 @@ def compare_output(name: str, ref: np.ndarray, cand: np.ndarray, tol: Tolerance)
     sample = diff if diff.size <= _HISTOGRAM_SAMPLES else np.random.default_rng(0).choice(
         diff, _HISTOGRAM_SAMPLES, replace=False)
     return OutputComparison(name, ref.shape, metrics, tol, not failures, failures, sample,
-                            may_be_rounding=bool(numeric) and len(numeric) == len(failures) and not tol.user_set)
+                            may_be_rounding=bool(numeric) and len(numeric) == len(failures)
+                            and not tol.user_set and tol.precision == "fp32")
 
 
 def _numeric_failures(metrics, diff, magnitude, tol: Tolerance) -> list[str]:

@@ -209,7 +209,7 @@ OUTPUTS = ["logits", "features"]
 
 def test_parse_tolerances_defaults_to_the_precision():
     tolerances = parse_tolerances([], "fp16", OUTPUTS)
-    assert tolerances == {name: Tolerance(1e-2, 1e-2, 0.999, 0.99) for name in OUTPUTS}
+    assert tolerances == {name: Tolerance(1e-2, 1e-2, 0.999, 0.99, precision="fp16") for name in OUTPUTS}
 
 
 def test_unnamed_override_applies_to_every_output():
@@ -307,7 +307,7 @@ def test_a_peer_implementation_widens_what_counts_as_fp32_rounding():
     assert result.metrics["float64"]["plain_export_max_abs"] == 1.8
 
 
-@pytest.mark.parametrize("case", ["nan", "shape", "user tolerance", "passes"])
+@pytest.mark.parametrize("case", ["nan", "shape", "user tolerance", "fp16 graph", "passes"])
 def test_only_default_numeric_misses_may_be_judged_by_float64(case):
     ref = EXACT + FP32_ERROR
     cand = EXACT - 2 * FP32_ERROR
@@ -318,6 +318,8 @@ def test_only_default_numeric_misses_may_be_judged_by_float64(case):
         result = compare(ref, cand[:1])
     elif case == "user tolerance":
         result = compare(ref, cand, FP32.updated("atol=1e-3"))
+    elif case == "fp16 graph":  # its error is fp16 rounding, judged by the fp16 tolerances alone
+        result = compare(ref, EXACT + 100 * FP32_ERROR, Tolerance.for_precision("fp16"))
     else:
         result = compare(ref, ref.copy())
     assert not result.may_be_rounding
