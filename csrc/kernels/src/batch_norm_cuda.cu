@@ -62,13 +62,7 @@ extern "C" dk_status dk_fused_batch_norm_cuda(dk_dtype dtype, const void* x, con
   const bool relu_act = activation == DK_ACTIVATION_RELU;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   using namespace dk::cuda;
-  switch (dtype) {
-    case DK_FLOAT32:
-      return launch<float>(x, scale, bias, y, total, channels, spatial, relu_act, s);
-    case DK_FLOAT16:
-      return launch<__half>(x, scale, bias, y, total, channels, spatial, relu_act, s);
-    case DK_BFLOAT16:
-      return launch<__nv_bfloat16>(x, scale, bias, y, total, channels, spatial, relu_act, s);
-  }
-  return DK_INVALID_ARGUMENT;
+  return with_storage_type(dtype, [&](auto storage) {
+    return launch<decltype(storage)>(x, scale, bias, y, total, channels, spatial, relu_act, s);
+  });
 }

@@ -1252,25 +1252,11 @@ extern "C" dk_status dk_batch_norm_train_forward_cuda(
   if (dk::partial_overlap(x, y, static_cast<size_t>(batch * channels * spatial) * es))
     return DK_INVALID_ARGUMENT;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  switch (dtype) {
-    case DK_FLOAT32:
-      return train_forward<float>(x, weight, bias, running_mean, running_var, momentum, eps, y,
-                                  save_mean, save_invstd, workspace, plan, batch, channels,
-                                  spatial, sms, s);
-    case DK_FLOAT16:
-      return train_forward<__half>(x, weight, bias, running_mean, running_var, momentum, eps, y,
-                                   save_mean, save_invstd, workspace, plan, batch, channels,
-                                   spatial, sms, s);
-    case DK_BFLOAT16:
-      return train_forward<__nv_bfloat16>(x, weight, bias, running_mean, running_var, momentum,
-                                          eps, y, save_mean, save_invstd, workspace, plan, batch,
-                                          channels, spatial, sms, s);
-    case DK_FLOAT64:
-      return train_forward<double>(x, weight, bias, running_mean, running_var, momentum, eps, y,
-                                   save_mean, save_invstd, workspace, plan, batch, channels,
-                                   spatial, sms, s);
-  }
-  return DK_INVALID_ARGUMENT;
+  return dk::cuda::with_storage_type<true>(dtype, [&](auto storage) {
+    return train_forward<decltype(storage)>(x, weight, bias, running_mean, running_var, momentum,
+                                            eps, y, save_mean, save_invstd, workspace, plan, batch,
+                                            channels, spatial, sms, s);
+  });
 }
 
 extern "C" dk_status dk_batch_norm_eval_forward_cuda(
@@ -1291,22 +1277,11 @@ extern "C" dk_status dk_batch_norm_eval_forward_cuda(
   if (dk::partial_overlap(x, y, static_cast<size_t>(batch * channels * spatial) * es))
     return DK_INVALID_ARGUMENT;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  switch (dtype) {
-    case DK_FLOAT32:
-      return eval_forward<float>(dtype, x, weight, bias, running_mean, running_var, eps, y,
-                                 fold, workspace, plan, batch, channels, spatial, sms, s);
-    case DK_FLOAT16:
-      return eval_forward<__half>(dtype, x, weight, bias, running_mean, running_var, eps, y,
-                                  fold, workspace, plan, batch, channels, spatial, sms, s);
-    case DK_BFLOAT16:
-      return eval_forward<__nv_bfloat16>(dtype, x, weight, bias, running_mean, running_var, eps,
-                                         y, fold, workspace, plan, batch, channels, spatial,
-                                         sms, s);
-    case DK_FLOAT64:
-      return eval_forward<double>(dtype, x, weight, bias, running_mean, running_var, eps, y,
-                                  fold, workspace, plan, batch, channels, spatial, sms, s);
-  }
-  return DK_INVALID_ARGUMENT;
+  return dk::cuda::with_storage_type<true>(dtype, [&](auto storage) {
+    return eval_forward<decltype(storage)>(dtype, x, weight, bias, running_mean, running_var, eps,
+                                           y, fold, workspace, plan, batch, channels, spatial,
+                                           sms, s);
+  });
 }
 
 extern "C" dk_status dk_batch_norm_backward_cuda(
@@ -1334,19 +1309,8 @@ extern "C" dk_status dk_batch_norm_backward_cuda(
     return DK_INVALID_ARGUMENT;
   if (empty) dx = nullptr;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  switch (dtype) {
-    case DK_FLOAT32:
-      return backward<float>(dy, x, weight, mean, invstd, dx, dweight, dbias, workspace, plan,
-                             batch, channels, spatial, training, sms, s);
-    case DK_FLOAT16:
-      return backward<__half>(dy, x, weight, mean, invstd, dx, dweight, dbias, workspace, plan,
-                              batch, channels, spatial, training, sms, s);
-    case DK_BFLOAT16:
-      return backward<__nv_bfloat16>(dy, x, weight, mean, invstd, dx, dweight, dbias, workspace,
-                                     plan, batch, channels, spatial, training, sms, s);
-    case DK_FLOAT64:
-      return backward<double>(dy, x, weight, mean, invstd, dx, dweight, dbias, workspace, plan,
-                              batch, channels, spatial, training, sms, s);
-  }
-  return DK_INVALID_ARGUMENT;
+  return dk::cuda::with_storage_type<true>(dtype, [&](auto storage) {
+    return backward<decltype(storage)>(dy, x, weight, mean, invstd, dx, dweight, dbias, workspace,
+                                       plan, batch, channels, spatial, training, sms, s);
+  });
 }

@@ -1,4 +1,5 @@
-// Device-side helpers shared by the CUDA kernels: loads / stores of each storage type, integer
+// Helpers shared by the CUDA kernels: the storage type of a dk_dtype, loads / stores of each
+// storage type, integer
 // division by a launch-time constant, the aligned head / vector / tail split of a range, and the
 // per-channel elementwise map over an NCHW tensor that FusedBatchNorm, the BatchNorm normalize
 // pass and the BatchNorm backward dx pass all run.
@@ -9,6 +10,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "deploykit/kernels.h"
 
 namespace dk {
 namespace cuda {
@@ -41,6 +44,25 @@ struct Io<__nv_bfloat16> {
   static __device__ __forceinline__ float load(__nv_bfloat16 v) { return __bfloat162float(v); }
   static __device__ __forceinline__ __nv_bfloat16 store(float v) { return __float2bfloat16_rn(v); }
 };
+
+// Calls f(T{}) with T the storage type of dtype and returns its status: float, __half,
+// __nv_bfloat16, and double where kFloat64 (the BatchNorm training kernels); any other dtype is
+// DK_INVALID_ARGUMENT. One switch for every C entry point.
+template <bool kFloat64 = false, typename F>
+dk_status with_storage_type(dk_dtype dtype, F&& f) {
+  switch (dtype) {
+    case DK_FLOAT32:
+      return f(float{});
+    case DK_FLOAT16:
+      return f(__half{});
+    case DK_BFLOAT16:
+      return f(__nv_bfloat16{});
+    case DK_FLOAT64:
+      if constexpr (kFloat64) return f(double{});
+      break;
+  }
+  return DK_INVALID_ARGUMENT;
+}
 
 // max(v, 0) that keeps NaN (like torch.relu), the same on CPU and GPU.
 __device__ __forceinline__ float relu(float v) { return v < 0.0f ? 0.0f : v; }

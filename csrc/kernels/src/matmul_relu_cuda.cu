@@ -123,18 +123,9 @@ extern "C" dk_status dk_matmul_relu_cuda(dk_dtype dtype, const void* a, const vo
     case LtResult::kRejected:
       break;
   }
-  dk_status fs = DK_INVALID_ARGUMENT;
-  switch (dtype) {
-    case DK_FLOAT32:
-      fs = launch_fallback<float>(a, b, bias, y, m, k, n, s);
-      break;
-    case DK_FLOAT16:
-      fs = launch_fallback<__half>(a, b, bias, y, m, k, n, s);
-      break;
-    case DK_BFLOAT16:
-      fs = launch_fallback<__nv_bfloat16>(a, b, bias, y, m, k, n, s);
-      break;
-  }
+  const dk_status fs = with_storage_type(dtype, [&](auto storage) {
+    return launch_fallback<decltype(storage)>(a, b, bias, y, m, k, n, s);
+  });
   if (fs == DK_OK) t_last_path = 1;
   return fs;
 }
