@@ -3,8 +3,9 @@
 An output passes when every finite element satisfies ``|d| <= atol + rtol * |ref|``,
 the cosine similarity reaches ``min_cosine``, NaN/Inf appear exactly where the
 reference has them, and (when ``min_top1`` is set) 2-D logits agree on the top class.
-An output that misses only those numeric tolerances can still pass against a float64 run of
-the model (``judge_by_float64``): when it is no further from float64 than PyTorch fp32 is.
+An fp32 output that misses only those numeric tolerances can still pass against a float64 run
+of the model (``judge_by_float64``): when it errs no more than FP32_NOISE_MARGIN times fp32's
+own rounding error.
 """
 
 from __future__ import annotations
