@@ -332,7 +332,7 @@ def build_report(options, loaded, specs, exported, optimized, pass_stats, valida
             "nodes, convert --auto-fix pins them to fp32" if precision is not None else
             "the plain export passes, so a deploykit pass changed the results: please report this"
         )
-    rounding = _rounding_notes(final)
+    rounding = final.rounding_notes()
     worst = max((o.metrics.get("max_abs", float("inf")) for r in final.runs for o in r.outputs), default=0.0)
     batch_sizes = [run.batch for run in final.runs]
     sizes = ", ".join(map(str, batch_sizes))
@@ -382,22 +382,6 @@ def build_report(options, loaded, specs, exported, optimized, pass_stats, valida
         },
         "versions": tool_versions(),
     }
-
-
-def _rounding_notes(validation) -> list[str]:
-    """One line per output that passed by float64 (compare.judge_by_float64), at its worst batch."""
-    worst = {}
-    for run in validation.runs:
-        for output in run.outputs:
-            judged = output.metrics.get("float64", {})
-            if output.waived and judged["max_abs"] >= worst.get(output.name, (-1.0,))[0]:
-                worst[output.name] = (judged["max_abs"], judged["fp32_max_abs"], run.batch)
-    return [
-        f"output {name} (batch {batch}) misses PyTorch fp32 by more than the tolerance, but errs "
-        f"{error:.3g} against float64 where fp32 itself errs {fp32:.3g} (within {FP32_NOISE_MARGIN:g}x): "
-        "the model amplifies fp32 rounding; counted as a pass (docs/validation.md)"
-        for name, (error, fp32, batch) in worst.items()
-    ]
 
 
 def build_manifest(report: dict, model: onnx.ModelProto) -> dict:

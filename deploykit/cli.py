@@ -15,7 +15,7 @@ from rich.table import Table
 
 from deploykit import errors
 from deploykit.cli_debug import debug
-from deploykit.cli_runtime import bench, doctor, profile, run
+from deploykit.cli_runtime import bench, doctor, profile, run, validate
 from deploykit.specs import BatchRange, InputSpec
 
 console = Console(stderr=True, highlight=False)
@@ -156,20 +156,7 @@ def _print_summary(result) -> None:
     for line in precision_lines(report):
         console.print(line, soft_wrap=True)
     final, *others = report["validation"]["candidates"]
-    table = Table(title=f"{final['label']} ({final['backend']}) vs PyTorch fp32", title_justify="left")
-    for column in ("output", "batch", "max abs", "max rel", "cosine", "top-1", "verdict"):
-        table.add_column(column, justify="left" if column == "output" else "right")
-    for run in final["runs"]:
-        for output in run["outputs"]:
-            m = output["metrics"]
-            top1 = m.get("top1_agreement")
-            table.add_row(
-                output["name"], str(run["batch"]),
-                f"{m.get('max_abs', float('nan')):.3g}", f"{m.get('max_rel', float('nan')):.3g}",
-                f"{m.get('cosine', float('nan')):.7f}", "" if top1 is None else f"{top1:.3f}",
-                ("[green]pass*[/]" if output["waived"] else "[green]pass[/]") if output["passed"] else "[red]FAIL[/]",
-            )
-    console.print(table)
+    print_validation_table(final)
     for other in others:
         console.print(f"{other['label']} ({other['backend']}): {'pass' if other['passed'] else 'FAIL'}")
     for line in report["notes"]:
@@ -180,6 +167,24 @@ def _print_summary(result) -> None:
     console.print(f"[bold {colour}]{report['verdict'].upper()}[/]: {report['summary']}")
     console.print(f"Bundle: {result.out_dir}")
     console.print(f"Report: {result.out_dir / 'report.html'}")
+
+
+def print_validation_table(candidate: dict) -> None:
+    """Per output and batch: the metrics and the verdict of one validated candidate."""
+    table = Table(title=f"{candidate['label']} ({candidate['backend']}) vs PyTorch fp32", title_justify="left")
+    for column in ("output", "batch", "max abs", "max rel", "cosine", "top-1", "verdict"):
+        table.add_column(column, justify="left" if column == "output" else "right")
+    for run in candidate["runs"]:
+        for output in run["outputs"]:
+            m = output["metrics"]
+            top1 = m.get("top1_agreement")
+            table.add_row(
+                output["name"], str(run["batch"]),
+                f"{m.get('max_abs', float('nan')):.3g}", f"{m.get('max_rel', float('nan')):.3g}",
+                f"{m.get('cosine', float('nan')):.7f}", "" if top1 is None else f"{top1:.3f}",
+                ("[green]pass*[/]" if output["waived"] else "[green]pass[/]") if output["passed"] else "[red]FAIL[/]",
+            )
+    console.print(table)
 
 
 @main.command("build-plugins")
@@ -196,5 +201,5 @@ def build_plugins(force, cuda_archs, verbose):
         console.print(line, soft_wrap=True)
 
 
-for command in (run, doctor, bench, profile, debug):
+for command in (run, validate, doctor, bench, profile, debug):
     main.add_command(command)

@@ -1,4 +1,4 @@
-"""``deploykit run | doctor | bench | profile``: parse, call the runtime modules, print. No logic here.
+"""``deploykit run | validate | doctor | bench | profile``: parse, call the runtime modules, print. No logic here.
 
 Imported at the end of ``deploykit/cli.py``; the shared error handling and console are read
 from there when a command runs (not at import, which would be circular). Heavy modules are
@@ -106,6 +106,56 @@ def _print_run(summary: dict) -> None:
     console.print(table)
     if summary["written"]:
         console.print(f"Outputs: {summary['written']}")
+
+
+# --------------------------------------------------------------------------- validate
+
+
+@click.command("validate")
+@click.argument("bundle", type=BUNDLE)
+@click.argument("model", type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--factory", metavar="PKG.MODULE:FUNCTION",
+              help="Build the model with this function and load MODEL as its state_dict.")
+@click.option("--trust-pickle", is_flag=True, help="Allow a pickled nn.Module (unpickling runs code from the file).")
+@click.option("--inputs", "feeds_path", type=click.Path(path_type=Path, exists=True, dir_okay=False),
+              help="Validate on these inputs (.npz named after the model inputs).")
+@click.option("--batch", "batches", type=click.IntRange(min=1), multiple=True,
+              help="Batch size of the random inputs; repeat for several (default: the bundle's min, opt and max).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@click.option("--tolerance", "tolerances", multiple=True, metavar="[OUTPUT:]KEY=VALUE,...",
+              help="Override atol, rtol, min_cosine or min_top1, for all outputs or one.")
+@_backend_options
+@click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON on stdout.")
+@click.option("-v", "--verbose", is_flag=True, help="Show tracebacks.")
+def validate(bundle, model, factory, trust_pickle, feeds_path, batches, seed, tolerances, backend, device,
+             allow_failed, no_op_library, as_json, verbose):
+    """Compare BUNDLE, run here as it will be deployed, with MODEL in PyTorch (fp32, CPU).
+
+    Conversion validated on the converting machine; this checks the bundle on this machine's
+    backend (the CUDA provider or TensorRT engine on a GPU) and on your data. The bundle is only
+    read. Exit code 1 when an output fails.
+    """
+    from deploykit.bundle_validation import validate_bundle
+
+    cli = _cli()
+    with cli._handle_errors(verbose):
+        result = validate_bundle(bundle, model, factory=factory, trust_pickle=trust_pickle, feeds_path=feeds_path,
+                                 batches=list(batches), seed=seed, tolerances=list(tolerances), backend=backend,
+                                 device=device, allow_failed=allow_failed, op_library=not no_op_library)
+    summary = result.to_json()
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        _print_notes(result.runner)
+        cli.print_validation_table(summary["validation"])
+        for line in result.validation.rounding_notes():
+            cli.console.print(f"[yellow]*[/] {line}", soft_wrap=True)
+        for line in summary["failures"]:
+            cli.console.print(f"[red]✗[/] {line}", soft_wrap=True)
+        verdict = "[bold green]PASS[/]" if result.passed else "[bold red]FAIL[/]"
+        cli.console.print(f"{verdict}: {summary['bundle']} on {result.runner.name} against {model} "
+                          f"({summary['inputs']})", soft_wrap=True)
+    sys.exit(cli.errors.EXIT_OK if result.passed else cli.errors.EXIT_VALIDATION_FAILED)
 
 
 # --------------------------------------------------------------------------- doctor

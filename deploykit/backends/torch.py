@@ -60,7 +60,8 @@ class TorchRunner:
         }
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        """The feed as given; float feeds of the float64 copy in float64."""
+        """The feed as given, but widened where it is a narrower float than the run (the float64
+        copy; the fp16 inputs of a bundle converted with --io-precision fp16)."""
         tensor = torch.from_numpy(np.ascontiguousarray(array))
-        exact = self.float_type == torch.float64 and tensor.is_floating_point()
-        return tensor.to(torch.float64) if exact else tensor
+        narrower = tensor.is_floating_point() and tensor.element_size() < torch.empty(0, dtype=self.float_type).element_size()
+        return tensor.to(self.float_type) if narrower else tensor

@@ -17,6 +17,11 @@ class Runner:
         self.input_names = [spec["name"] for spec in self.inputs]
         self.output_names = [spec["name"] for spec in self.outputs]
 
+    @property
+    def name(self) -> str:
+        """Backend and device, e.g. onnxruntime-cuda:0: how a validation names this runner."""
+        return f"{self.backend}-{self.device}"
+
     def run(self, feeds=None, /, **named) -> dict:
         raise NotImplementedError
 
