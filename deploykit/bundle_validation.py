@@ -27,6 +27,7 @@ from deploykit.validate import CandidateValidation, run_checked, validate
 class BundleValidation:
     runner: runtime.Runner
     validation: CandidateValidation
+    precision: str
     inputs: str
 
     @property
@@ -36,7 +37,7 @@ class BundleValidation:
     def to_json(self) -> dict:
         return {
             **self.runner.describe(),
-            "precision": self.runner.bundle.manifest.get("precision", "fp32"),
+            "precision": self.precision,
             "inputs": self.inputs,
             "passed": self.passed,
             "failures": self.validation.failures(),
@@ -46,7 +47,7 @@ class BundleValidation:
 
 def validate_bundle(bundle: Path, model: Path, *, factory: str | None = None, trust_pickle: bool = False,
                     feeds_path: Path | None = None, batches: list[int] | None = None, seed: int = 0,
-                    tolerances: list[str] = (), backend: str = "auto", device: str = "auto",
+                    tolerances: tuple[str, ...] = (), backend: str = "auto", device: str = "auto",
                     allow_failed: bool = False, op_library: bool = True) -> BundleValidation:
     runner = runtime.load(bundle, backend, device, allow_failed=allow_failed, op_library=op_library)
     reference = TorchRunner(load_model(model, factory, trust_pickle), runner.input_names)
@@ -57,7 +58,7 @@ def validate_bundle(bundle: Path, model: Path, *, factory: str | None = None, tr
     label = f"bundle ({precision})"
     [result] = validate(reference, {label: runner}, feed_sets, limits)
     inputs = str(feeds_path) if feeds_path else f"seeded random (seed {seed})"
-    return BundleValidation(runner, result, inputs)
+    return BundleValidation(runner, result, precision, inputs)
 
 
 def _feed_sets(specs: list[dict], feeds_path: Path | None, batches: list[int] | None, seed: int) -> list[dict]:

@@ -140,7 +140,7 @@ def validate(bundle, model, factory, trust_pickle, feeds_path, batches, seed, to
     cli = _cli()
     with cli._handle_errors(verbose):
         result = validate_bundle(bundle, model, factory=factory, trust_pickle=trust_pickle, feeds_path=feeds_path,
-                                 batches=list(batches), seed=seed, tolerances=list(tolerances), backend=backend,
+                                 batches=list(batches), seed=seed, tolerances=tolerances, backend=backend,
                                  device=device, allow_failed=allow_failed, op_library=not no_op_library)
     summary = result.to_json()
     if as_json:
