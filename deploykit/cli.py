@@ -15,7 +15,7 @@ from rich.table import Table
 
 from deploykit import errors
 from deploykit.cli_debug import debug
-from deploykit.cli_runtime import bench, doctor, profile, run, validate
+from deploykit.cli_runtime import bench, doctor, inspect, profile, run, validate
 from deploykit.specs import BatchRange, InputSpec
 
 console = Console(stderr=True, highlight=False)
@@ -201,5 +201,5 @@ def build_plugins(force, cuda_archs, verbose):
         console.print(line, soft_wrap=True)
 
 
-for command in (run, validate, doctor, bench, profile, debug):
+for command in (run, validate, inspect, doctor, bench, profile, debug):
     main.add_command(command)

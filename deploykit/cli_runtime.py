@@ -1,4 +1,4 @@
-"""``deploykit run | validate | doctor | bench | profile``: parse, call the runtime modules, print. No logic here.
+"""``deploykit run | validate | inspect | doctor | bench | profile``: parse, call the runtime modules, print. No logic here.
 
 Imported at the end of ``deploykit/cli.py``; the shared error handling and console are read
 from there when a command runs (not at import, which would be circular). Heavy modules are
@@ -156,6 +156,63 @@ def validate(bundle, model, factory, trust_pickle, feeds_path, batches, seed, to
         cli.console.print(f"{verdict}: {summary['bundle']} on {result.runner.name} against {model} "
                           f"({summary['inputs']})", soft_wrap=True)
     sys.exit(cli.errors.EXIT_OK if result.passed else cli.errors.EXIT_VALIDATION_FAILED)
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+@click.command("inspect")
+@click.argument("bundle", type=BUNDLE)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option("-v", "--verbose", is_flag=True, help="Show tracebacks.")
+def inspect(bundle, as_json, verbose):
+    """Show what BUNDLE holds (inputs, outputs, precision, ops, engines, validation) and check its files.
+
+    Reads manifest.json only: nothing is loaded or run. Exit code 1 when a file is missing or
+    changed since conversion.
+    """
+    from deploykit.bundle_info import describe_bundle
+
+    cli = _cli()
+    with cli._handle_errors(verbose):
+        info = describe_bundle(bundle)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+    else:
+        _print_info(info)
+    sys.exit(cli.errors.EXIT_OK if info["files_ok"] else cli.errors.EXIT_VALIDATION_FAILED)
+
+
+def _print_info(info: dict) -> None:
+    from rich.table import Table
+
+    console = _cli().console
+    console.print(f"{info['bundle']}: {info['precision']} ONNX (opset {info['opset']}, IR {info['ir_version']}, "
+                  f"{info['exporter']} exporter) from {info['source']}, {info['created']}", soft_wrap=True)
+    table = Table(title="inputs and outputs", title_justify="left")
+    for column in ("", "name", "dtype", "shape"):
+        table.add_column(column)
+    for kind in ("inputs", "outputs"):
+        for tensor in info[kind]:
+            table.add_row(kind[:-1], tensor["name"], tensor["dtype"], tensor["shape"])
+    console.print(table)
+    if info["custom_ops"]:
+        console.print(f"deploykit ops: {', '.join(info['custom_ops'])} (ONNX Runtime library {info['op_library']}; "
+                      "each has an ONNX function fallback)", soft_wrap=True)
+    for engine in info["engines"]:
+        console.print(f"engine: {engine['file']} ({engine['flavour']} {engine['version']}, "
+                      f"targets {', '.join(engine['targets'] or [])})", soft_wrap=True)
+    changed = [f"{name} ({', '.join(f'{k} {v}' for k, v in changes.items())})"
+               for name, changes in info["passes"].items() if changes]
+    console.print(f"passes: {'; '.join(changed) or 'none changed the exported graph'}", soft_wrap=True)
+    validation = info["validation"]
+    worst = ", ".join(f"{name} {value:.3g}" for name, value in validation.get("max_abs", {}).items())
+    console.print(f"validation at conversion: {'passed' if validation.get('passed') else 'FAILED'} on "
+                  f"{validation.get('backend')}, batch sizes {validation.get('batch_sizes')}, max abs {worst}",
+                  soft_wrap=True)
+    for name, entry in info["files"].items():
+        status = "[green]ok[/]" if entry["status"] == "ok" else f"[bold red]{entry['status']}[/]"
+        console.print(f"file {name}: {entry['bytes']} bytes, sha256 {status}")
 
 
 # --------------------------------------------------------------------------- doctor

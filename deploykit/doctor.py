@@ -307,12 +307,7 @@ def _engine_fix(problem: str) -> str:
 
 
 def _check_files(bundle: runtime.Bundle) -> Check:
-    bad = []
-    for name in bundle.manifest.get("files", {}):
-        try:
-            bundle.file(name)
-        except Exception as error:  # noqa: BLE001 - each failure is reported, not raised
-            bad.append(f"{name} ({'missing' if 'missing' in str(error) else 'sha256 mismatch'})")
+    bad = [f"{name} ({problem})" for name, problem in bundle.file_problems().items()]
     if bad:
         return Check("bundle files", "fail", f"changed or missing since conversion: {', '.join(bad)}",
                      "restore the files or re-run deploykit convert")

@@ -1,4 +1,4 @@
-"""``deploykit run | doctor | bench | profile`` through the CLI, on small bundles, on the CPU.
+"""``deploykit run | inspect | doctor | bench | profile`` through the CLI, on small bundles, on the CPU.
 
 Bundles come from ``test_runtime.converted`` (converted once per session). Doctor's rules are
 also tested on made-up machines (an H200, a torch without kernels for the GPU), since this
@@ -100,6 +100,36 @@ def test_doctor_table_names_a_changed_file(tmp_path):
     result = cli("doctor", bundle)
     assert result.returncode == 3
     assert "report.json (sha256 mismatch)" in result.stderr and "re-run deploykit convert" in result.stderr
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+def test_inspect_summarises_the_manifest(tabular):
+    result = cli("inspect", tabular, "--json")
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["inputs"] == [{"name": "features", "dtype": "float32", "shape": "1..4x13"}]
+    assert [o["shape"] for o in info["outputs"]] == ["1..4x4", "1..4x16"]
+    assert info["custom_ops"] == ["MatMulRelu"] and info["op_library"] == "libdeploykit_ort.so"
+    assert info["passes"]["fuse_matmul_relu"] and info["validation"]["passed"] and info["files_ok"]
+    assert set(info["files"]) == set(open_bundle(tabular).manifest["files"])
+    table = cli("inspect", tabular)
+    assert "1..4x13" in table.stderr and "MatMulRelu" in table.stderr and "sha256 ok" in table.stderr
+
+
+def test_inspect_names_a_changed_file_with_exit_1(tmp_path):
+    bundle = copy_bundle("tabular", tmp_path)
+    (bundle / "report.json").write_text("{}")
+    result = cli("inspect", bundle, "--json")
+    assert result.returncode == 1
+    info = json.loads(result.stdout)
+    assert info["files"]["report.json"]["status"] == "sha256 mismatch" and not info["files_ok"]
+
+
+def test_inspect_refuses_a_folder_that_is_no_bundle(tmp_path):
+    result = cli("inspect", tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "manifest.json" in result.stderr
 
 
 H200 = (("NVIDIA H200", "9.0"),)

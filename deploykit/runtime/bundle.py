@@ -63,6 +63,17 @@ class Bundle:
         return path
 
 
+    def file_problems(self) -> dict[str, str]:
+        """Each listed file that is missing or changed since conversion: name -> what is wrong."""
+        problems = {}
+        for name in self.manifest.get("files", {}):
+            try:
+                self.file(name)
+            except BadInputError as error:
+                problems[name] = "missing" if "missing" in str(error) else "sha256 mismatch"
+        return problems
+
+
 def open_bundle(path: str | Path) -> Bundle:
     """Read a bundle's manifest; refuse directories that are not bundles or are too new for us."""
     manifest = read_manifest(path)

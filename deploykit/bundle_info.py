@@ -1,0 +1,57 @@
+"""``deploykit inspect``: what a bundle holds, read from its manifest, and whether its files are intact.
+
+For whoever receives a bundle: the inputs and outputs to feed and expect (with the dynamic
+batch range), the precision, our ops and the library they need, the engines and what they were
+built for, the passes, the validation it passed at conversion, and every file against its
+sha256. Nothing is loaded or run, so it works on any machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from deploykit import runtime
+
+
+def describe_bundle(path: Path) -> dict:
+    bundle = runtime.open_bundle(path)
+    manifest = bundle.manifest
+    problems = bundle.file_problems()
+    batch = _batch_symbols(bundle.inputs)
+    return {
+        "bundle": str(bundle.path),
+        "source": manifest.get("source"),
+        "created": manifest.get("created"),
+        "precision": manifest.get("precision", "fp32"),
+        "exporter": manifest.get("exporter"),
+        "opset": manifest.get("opset"),
+        "ir_version": manifest.get("ir_version"),
+        "inputs": [_tensor(spec, batch) for spec in bundle.inputs],
+        "outputs": [_tensor(spec, batch) for spec in bundle.outputs],
+        "custom_ops": [op for entry in manifest.get("custom_op_libraries", []) for op in entry["ops"]],
+        "op_library": (bundle.op_library or {}).get("file"),
+        "engines": [{key: engine.get(key) for key in ("file", "flavour", "version", "targets")}
+                    for engine in bundle.engines],
+        "passes": {p["name"]: {k: v for k, v in p["changes"].items() if v} for p in manifest.get("passes", [])},
+        "validation": manifest.get("validation", {}),
+        "versions": manifest.get("versions", {}),
+        "files": {name: {"bytes": entry.get("bytes"), "status": problems.get(name, "ok")}
+                  for name, entry in manifest.get("files", {}).items()},
+        "files_ok": not problems,
+    }
+
+
+def _batch_symbols(inputs: list[dict]) -> dict[str, str]:
+    """Symbolic batch dimension -> "MIN..MAX", from the inputs' dynamic ranges (outputs share the symbol)."""
+    symbols = {}
+    for spec in inputs:
+        batch = spec.get("dynamic", {}).get("0")
+        if batch and spec["shape"] and isinstance(spec["shape"][0], str):
+            symbols[spec["shape"][0]] = f"{batch['min']}..{batch['max']}"
+    return symbols
+
+
+def _tensor(spec: dict, batch: dict[str, str]) -> dict:
+    """Name, dtype and shape, a dynamic batch as MIN..MAX (other symbolic sizes as named)."""
+    shape = "x".join(batch.get(d, str(d)) if isinstance(d, str) else str(d) for d in spec["shape"])
+    return {"name": spec["name"], "dtype": spec["dtype"], "shape": shape}
