@@ -159,10 +159,7 @@ def _print_summary(result) -> None:
     print_validation_table(final)
     for other in others:
         console.print(f"{other['label']} ({other['backend']}): {'pass' if other['passed'] else 'FAIL'}")
-    for line in report["notes"]:
-        console.print(f"[yellow]*[/] {line}", soft_wrap=True)
-    for line in report["failures"]:
-        console.print(f"[red]✗[/] {line}", soft_wrap=True)
+    print_notes_and_failures(report["notes"], report["failures"])
     colour = "green" if result.passed else "red"
     console.print(f"[bold {colour}]{report['verdict'].upper()}[/]: {report['summary']}")
     console.print(f"Bundle: {result.out_dir}")
@@ -185,6 +182,14 @@ def print_validation_table(candidate: dict) -> None:
                 ("[green]pass*[/]" if output["waived"] else "[green]pass[/]") if output["passed"] else "[red]FAIL[/]",
             )
     console.print(table)
+
+
+def print_notes_and_failures(notes: list[str], failures: list[str]) -> None:
+    """Outputs that passed within fp32 rounding (*), then every failed check (✗)."""
+    for line in notes:
+        console.print(f"[yellow]*[/] {line}", soft_wrap=True)
+    for line in failures:
+        console.print(f"[red]✗[/] {line}", soft_wrap=True)
 
 
 @main.command("build-plugins")

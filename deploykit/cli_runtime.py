@@ -148,10 +148,7 @@ def validate(bundle, model, factory, trust_pickle, feeds_path, batches, seed, to
     else:
         _print_notes(result.runner)
         cli.print_validation_table(summary["validation"])
-        for line in result.validation.rounding_notes():
-            cli.console.print(f"[yellow]*[/] {line}", soft_wrap=True)
-        for line in summary["failures"]:
-            cli.console.print(f"[red]✗[/] {line}", soft_wrap=True)
+        cli.print_notes_and_failures(result.validation.rounding_notes(), summary["failures"])
         verdict = "[bold green]PASS[/]" if result.passed else "[bold red]FAIL[/]"
         cli.console.print(f"{verdict}: {summary['bundle']} on {result.runner.name} against {model} "
                           f"({summary['inputs']})", soft_wrap=True)

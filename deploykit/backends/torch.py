@@ -63,5 +63,5 @@ class TorchRunner:
         """The feed as given, but widened where it is a narrower float than the run (the float64
         copy; the fp16 inputs of a bundle converted with --io-precision fp16)."""
         tensor = torch.from_numpy(np.ascontiguousarray(array))
-        narrower = tensor.is_floating_point() and tensor.element_size() < torch.empty(0, dtype=self.float_type).element_size()
+        narrower = tensor.is_floating_point() and torch.finfo(tensor.dtype).bits < torch.finfo(self.float_type).bits
         return tensor.to(self.float_type) if narrower else tensor
