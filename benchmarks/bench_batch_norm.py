@@ -1,4 +1,4 @@
-"""deploykit BatchNorm (deploykit.ops.batch_norm) against PyTorch on the current GPU.
+"""deploykit BatchNorm (deploykit.experimental.training_batch_norm) against PyTorch on the current GPU.
 
     python benchmarks/bench_batch_norm.py [--lib libdeploykit_kernels.so] [--out bn.md]
 
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import timing  # noqa: E402
-from deploykit.ops import batch_norm as bn  # noqa: E402
+from deploykit.experimental import training_batch_norm as bn  # noqa: E402
 
 F = torch.nn.functional
 SHAPES = [(64, 64, 112, 112), (8, 32, 512, 512), (256, 2048, 7, 7)]

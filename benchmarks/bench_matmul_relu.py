@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import timing  # noqa: E402
-from deploykit import kernels  # noqa: E402
+from deploykit.native import kernels  # noqa: E402
 
 CODE = {torch.float32: kernels.FLOAT32, torch.float16: kernels.FLOAT16,
         torch.bfloat16: kernels.BFLOAT16}

@@ -20,9 +20,10 @@ import numpy as np
 import onnxruntime as ort
 
 import deploykit
-from deploykit import benchmark, runtime
-from deploykit.backends.torch import flatten_outputs
-from deploykit.compare import Tolerance, compare_output
+from deploykit import runtime
+from deploykit.tools import bench as benchmark
+from deploykit.backends.torch.runner import flatten_outputs
+from deploykit.validation.compare import Tolerance, compare_output
 
 
 def check(bundle: Path, factory: str | None) -> bool:

@@ -1,4 +1,4 @@
-"""deploykit.ops.batch_norm without a GPU: the CUDA source builds into the kernel library with
+"""deploykit.experimental.training_batch_norm without a GPU: the CUDA source builds into the kernel library with
 the BatchNorm training entry points exported, the C ABI rejects bad arguments before touching a
 device, and the Python op checks its arguments and refuses CPU tensors with a clear message.
 The GPU behaviour is tested in tests/gpu/test_batch_norm_cuda.py."""
@@ -11,8 +11,8 @@ import shutil
 import pytest
 import torch
 
-from deploykit import kernels
-from deploykit.ops import batch_norm as bn
+from deploykit.native import kernels
+from deploykit.experimental import training_batch_norm as bn
 
 F = torch.nn.functional
 

@@ -1,4 +1,4 @@
-"""Unit tests of ``deploykit.bundle``: staged writes, the manifest, and safe replacement.
+"""Unit tests of ``deploykit.bundle.write``: staged writes, the manifest, and safe replacement.
 
 A bundle is written into a ``.NAME.*.partial`` sibling and renamed into place only when the
 body succeeds; a failing body leaves nothing behind, an existing bundle is kept unless
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from deploykit.bundle import MANIFEST, check_destination, read_manifest, staged_bundle
+from deploykit.bundle.write import MANIFEST, check_destination, read_manifest, staged_bundle
 from deploykit.errors import BadInputError
 
 #: A file and its known sha256 (FIPS 180-2 test vector for b"abc").

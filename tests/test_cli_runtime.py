@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import deploykit
-from deploykit import doctor
+from deploykit.tools import doctor
 from deploykit.runtime import open_bundle
 from test_runtime import converted, copy_bundle, edit_manifest
 
@@ -258,7 +258,7 @@ def test_bench_export_plain_and_a_baseline_bundle(tmp_path, tabular):
 
 
 def test_bench_reduced_precision_pytorch_contenders_run_on_the_gpu_only(tmp_path):
-    from deploykit import benchmark
+    from deploykit.tools import bench as benchmark
 
     bundle = copy_bundle("tabular", tmp_path)
     edit_manifest(bundle, lambda m: m.update(precision="fp16"))
@@ -278,7 +278,7 @@ def test_bench_without_the_source_model_skips_pytorch(tmp_path):
 
 
 def test_bench_state_dict_needs_its_factory(tabular):
-    from deploykit import benchmark
+    from deploykit.tools import bench as benchmark
 
     source = benchmark.load_source(open_bundle(tabular), None, None, False)
     assert source.loaded is None and "--factory" in source.reason

@@ -1,4 +1,4 @@
-"""Unit tests of ``deploykit.compare``: metrics, the pass/fail rules and the failure messages.
+"""Unit tests of ``deploykit.validation.compare``: metrics, the pass/fail rules and the failure messages.
 
 Pure numpy and fast. Each case uses concrete numbers so that a failure shows exactly which
 rule of docs/validation.md (atol + rtol*|ref|, min_cosine, NaN/Inf placement, min_top1)
@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 
-from deploykit.compare import Tolerance, compare_output, parse_tolerances
+from deploykit.validation.compare import Tolerance, compare_output, parse_tolerances
 from deploykit.errors import BadInputError
 
 FP32 = Tolerance.for_precision("fp32")  # atol=1e-4, rtol=1e-3, min_cosine=0.99999, no min_top1

@@ -10,10 +10,10 @@ import json
 
 import pytest
 
-from deploykit import native
+from deploykit.native import build as native
 from test_convert_models import convert, custom_op_counts, save_ddp_state_dict
 
-tensorrt = pytest.importorskip("deploykit.backends.tensorrt")
+tensorrt = pytest.importorskip("deploykit.backends.tensorrt.builder")
 try:
     tensorrt.load_tensorrt()
 except Exception as problem:  # noqa: BLE001  (any import failure means: no TensorRT here)

@@ -16,7 +16,7 @@ import onnxruntime
 import pytest
 
 import deploykit
-from deploykit import native
+from deploykit.native import build as native
 from test_runtime import converted
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,9 +21,9 @@ import torch
 from onnx import helper
 from torch import nn
 
-from deploykit.auto_fix import FixProblem, auto_fix, find_culprits
-from deploykit.compare import Tolerance, parse_tolerances
-from deploykit.layerwise import compare_layers, run_values
+from deploykit.validation.auto_fix import FixProblem, auto_fix, find_culprits
+from deploykit.validation.compare import Tolerance, parse_tolerances
+from deploykit.validation.layerwise import compare_layers, run_values
 from deploykit.passes.precision import apply_precision, emulate, name_nodes
 from graph_helpers import make_model, tensor
 from test_convert_models import TESTS, convert

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from deploykit import kernels
+from deploykit.native import kernels
 
 DTYPES = ["float32", "float16", "bfloat16"]
 CODE = {"float32": kernels.FLOAT32, "float16": kernels.FLOAT16, "bfloat16": kernels.BFLOAT16}

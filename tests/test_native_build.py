@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from deploykit import native
+from deploykit.native import build as native
 
 SHIPPED_ARCHITECTURES = ("80", "86", "89", "90", "120")
 

@@ -1,6 +1,6 @@
 """deploykit's ONNX Runtime op library (plugins/onnxruntime) on the CPU execution provider.
 
-Builds libdeploykit_ort.so through deploykit.native.build_plugins (CUDA code for sm_90 only, to
+Builds libdeploykit_ort.so through deploykit.native.build.build_plugins (CUDA code for sm_90 only, to
 keep the compile short), loads it with register_custom_ops_library and checks hand-built
 deploykit::FusedBatchNorm / deploykit::MatMulRelu graphs against numpy. The graph builders and
 references here are shared with tests/gpu/test_ort_cuda.py.
@@ -21,7 +21,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from deploykit import native
+from deploykit.native import build as native
 from deploykit.errors import EnvironmentProblem
 
 TEST_CUDA_ARCHS = "90"

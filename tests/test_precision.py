@@ -23,7 +23,7 @@ from deploykit.ops import fused_batch_norm, matmul_relu
 from deploykit.passes.precision import (
     apply_precision, check_precision, emulate, float_io, name_nodes, source_name,
 )
-from deploykit.precision_stage import ort_cpu_missing_kernels, typed_runner
+from deploykit.conversion.precision import ort_cpu_missing_kernels, typed_runner
 from graph_helpers import make_model, run_ort, tensor
 import model_zoo
 import test_debug
@@ -348,7 +348,7 @@ def test_small_transformer_passes_reduced_precision(tmp_path, precision):
 
 @pytest.mark.parametrize("precision, trt_type", [("fp16", "HALF"), ("bf16", "BF16")])
 def test_tensorrt_rtx_builds_a_strongly_typed_engine_with_our_types(precision, trt_type):
-    dk_trt = pytest.importorskip("deploykit.backends.tensorrt")
+    dk_trt = pytest.importorskip("deploykit.backends.tensorrt.builder")
     try:
         flavour = dk_trt.load_tensorrt("tensorrt-rtx")
     except Exception as problem:  # noqa: BLE001
@@ -369,7 +369,7 @@ def test_tensorrt_rtx_builds_a_strongly_typed_engine_with_our_types(precision, t
 
 def test_convert_builds_a_typed_engine_with_our_fp16_plugin(tmp_path):
     """--backend tensorrt on the typed graph: our MatMulRelu plugin in fp16, the engine named fp16."""
-    dk_trt = pytest.importorskip("deploykit.backends.tensorrt")
+    dk_trt = pytest.importorskip("deploykit.backends.tensorrt.builder")
     try:
         dk_trt.load_tensorrt("tensorrt-rtx")
     except Exception as problem:  # noqa: BLE001

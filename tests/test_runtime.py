@@ -26,7 +26,7 @@ import torch
 
 import deploykit
 from deploykit import runtime
-from deploykit.bundle import sha256_of
+from deploykit.bundle.write import sha256_of
 from deploykit.errors import BadInputError, EnvironmentProblem, ValidationFailed
 from deploykit.testing import randomize_batch_norm
 
@@ -37,7 +37,7 @@ atexit.register(shutil.rmtree, _WORK, ignore_errors=True)
 
 def _has_tensorrt() -> bool:
     try:
-        from deploykit.backends import tensorrt
+        from deploykit.backends.tensorrt import builder as tensorrt
 
         tensorrt.load_tensorrt()
         return True

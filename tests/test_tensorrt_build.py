@@ -20,8 +20,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from deploykit import native
-from deploykit.backends import tensorrt as dk_trt
+from deploykit.native import build as native
+from deploykit.backends.tensorrt import builder as dk_trt
 from deploykit.errors import BadInputError, DeployKitError, EnvironmentProblem
 
 try:
@@ -37,7 +37,7 @@ CHANNELS = 8
 
 @pytest.fixture(scope="module")
 def plugin_library() -> Path:
-    """libdeploykit_trt.so from deploykit.native (TensorRT 10.14 headers from kernel-lens)."""
+    """libdeploykit_trt.so from deploykit.native.build (TensorRT 10.14 headers from kernel-lens)."""
     build = native.build_plugins(cuda_architectures=TEST_CUDA_ARCHS)
     assert build.tensorrt_library is not None, f"no TensorRT plugin library: {build.disabled.get('tensorrt')}"
     return build.tensorrt_library

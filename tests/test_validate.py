@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from deploykit.backends.torch import TorchRunner
-from deploykit.compare import Tolerance
-from deploykit.loading import LoadedModel
-from deploykit.validate import validate
+from deploykit.backends.torch.runner import TorchRunner
+from deploykit.validation.compare import Tolerance
+from deploykit.conversion.loading import LoadedModel
+from deploykit.validation.validate import validate
 from model_zoo import Cancelling
 
 FEEDS = [{"x": np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)}]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jinja2
 
 from deploykit.report.plots import error_histogram_png
-from deploykit.validate import CandidateValidation
+from deploykit.validation.validate import CandidateValidation
 
 _TEMPLATES = jinja2.Environment(
     loader=jinja2.PackageLoader("deploykit.report", "templates"),

@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402
 
-from deploykit.compare import OutputComparison  # noqa: E402
+from deploykit.validation.compare import OutputComparison  # noqa: E402
 
 def error_histogram_png(outputs: list[OutputComparison], title: str) -> str:
     """Histogram of log10 |reference - candidate| per output (exact matches counted in the legend)."""

@@ -15,13 +15,13 @@ choice and ``load``). Heavy libraries (torch, onnxruntime, tensorrt, cuda-python
 only when used.
 """
 
-from deploykit.runtime.bundle import Bundle, check_validation, open_bundle, version_tuple
+from deploykit.bundle.read import Bundle, check_validation, open_bundle, version_tuple
 from deploykit.runtime.choose import has_gpu, load, ort_has_cuda, parse_device
-from deploykit.runtime.feeds import DeviceArray, Feed, as_feed, batch_sizes, bundle_feeds, collect_feeds, random_inputs
-from deploykit.runtime.memory import CudaPythonMemory, TorchMemory
-from deploykit.runtime.onnxruntime import CUDA_EP, MIN_ORT_FOR_OP_LIBRARY, OnnxRuntimeBundleRunner
-from deploykit.runtime.runner import Runner
-from deploykit.runtime.tensorrt import TensorRTBundleRunner, engine_problem, installed_tensorrt
+from deploykit.backends.base.feeds import DeviceArray, Feed, as_feed, batch_sizes, bundle_feeds, collect_feeds, random_inputs
+from deploykit.backends.base.memory import CudaPythonMemory, TorchMemory
+from deploykit.backends.onnxruntime.runner import CUDA_EP, MIN_ORT_FOR_OP_LIBRARY, OnnxRuntimeBundleRunner
+from deploykit.backends.base.runner import Runner
+from deploykit.backends.tensorrt.runner import TensorRTBundleRunner, engine_problem, installed_tensorrt
 
 __all__ = [
     "CUDA_EP", "MIN_ORT_FOR_OP_LIBRARY", "Bundle", "CudaPythonMemory", "DeviceArray", "Feed",

@@ -6,10 +6,10 @@ import warnings
 from pathlib import Path
 
 from deploykit.errors import BadInputError, EnvironmentProblem
-from deploykit.runtime.bundle import Bundle, check_validation, open_bundle
-from deploykit.runtime.onnxruntime import CUDA_EP, OnnxRuntimeBundleRunner
-from deploykit.runtime.runner import Runner
-from deploykit.runtime.tensorrt import TensorRTBundleRunner, engine_problem, installed_tensorrt
+from deploykit.bundle.read import Bundle, check_validation, open_bundle
+from deploykit.backends.onnxruntime.runner import CUDA_EP, OnnxRuntimeBundleRunner
+from deploykit.backends.base.runner import Runner
+from deploykit.backends.tensorrt.runner import TensorRTBundleRunner, engine_problem, installed_tensorrt
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
 
@@ -37,7 +37,7 @@ def choose_backend(bundle: Bundle, backend: str, device: str) -> tuple[str, str,
             if backend == "tensorrt":
                 raise BadInputError(f"{bundle.path} has no TensorRT engine: convert with --backend tensorrt")
         else:
-            from deploykit.backends import tensorrt
+            from deploykit.backends.tensorrt import builder as tensorrt
 
             entry = bundle.engines[0]
             problem = engine_problem(entry, installed_tensorrt(entry["flavour"]), tensorrt.local_gpus())
@@ -59,7 +59,7 @@ def choose_backend(bundle: Bundle, backend: str, device: str) -> tuple[str, str,
 
 
 def has_gpu() -> bool:
-    from deploykit.backends import tensorrt
+    from deploykit.backends.tensorrt import builder as tensorrt
 
     return not isinstance(tensorrt.local_gpus(), str)
 

@@ -1,4 +1,4 @@
-"""deploykit.ops.batch_norm on the GPU against torch.nn.functional.batch_norm and float64 truth.
+"""deploykit.experimental.training_batch_norm on the GPU against torch.nn.functional.batch_norm and float64 truth.
 
 Checks: gradcheck in float64 (the float64 CUDA kernels, training and eval mode); outputs,
 gradients and running statistics on fresh random data for float32 / float16 / bfloat16 and odd
@@ -20,8 +20,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from deploykit import kernels  # noqa: E402
-from deploykit.ops import batch_norm as bn  # noqa: E402
+from deploykit.native import kernels  # noqa: E402
+from deploykit.experimental import training_batch_norm as bn  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

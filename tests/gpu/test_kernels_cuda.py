@@ -23,7 +23,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from deploykit import kernels  # noqa: E402
+from deploykit.native import kernels  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -428,7 +428,7 @@ def test_disable_cublaslt_environment_variable(lib):
     library = lib._name  # the path the fixture loaded
     script = textwrap.dedent(f"""
         import torch
-        from deploykit import kernels
+        from deploykit.native import kernels
         lib = kernels.load({library!r})
         a = torch.randn(64, 64, device="cuda")
         y = torch.full((64, 64), float("nan"), device="cuda")

@@ -28,8 +28,8 @@ import model_zoo  # noqa: E402
 import test_ort_library as ort_cases  # noqa: E402  (session and profile helpers)
 
 from deploykit.api import ConvertOptions, convert  # noqa: E402
-from deploykit.backends.torch import flatten_outputs  # noqa: E402
-from deploykit.compare import Tolerance, compare_output  # noqa: E402
+from deploykit.backends.torch.runner import flatten_outputs  # noqa: E402
+from deploykit.validation.compare import Tolerance, compare_output  # noqa: E402
 from deploykit.specs import BatchRange, InputSpec  # noqa: E402
 from deploykit.testing import randomize_batch_norm  # noqa: E402
 

@@ -4,7 +4,7 @@ The same hand-built graphs as tests/test_ort_library.py, run with
 providers [CUDAExecutionProvider, CPUExecutionProvider] and checked against numpy; ORT's
 profile must show our nodes assigned to CUDAExecutionProvider. Builds with
 DEPLOYKIT_CUDA_ARCHS=90 unless that variable is set. On an offline machine, point
-DEPLOYKIT_CACHE at a cache prepared elsewhere with ``deploykit.native.fetch_headers()``.
+DEPLOYKIT_CACHE at a cache prepared elsewhere with ``deploykit.native.build.fetch_headers()``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ if CUDA not in ort.get_available_providers():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import test_ort_library as cases  # noqa: E402  (graph builders and numpy references)
 
-from deploykit import native  # noqa: E402
+from deploykit.native import build as native  # noqa: E402
 
 # Larger products as well, so the cuBLASLt path (not only small fallbacks) is exercised.
 MATMUL_CASES = cases.MATMUL_CASES + [((4, 128, 256), 384), ((1000, 512), 1000)]

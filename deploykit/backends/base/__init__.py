@@ -1,0 +1,1 @@
+"""What every backend shares: the runner contract, feeds and outputs, device memory."""

@@ -1,0 +1,210 @@
+"""What runners take and give: inputs classified without copying and checked against the
+manifest (runtimes report mismatches obscurely), outputs in the form the inputs came in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from deploykit.errors import BadInputError
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+@dataclasses.dataclass
+class Feed:
+    """One input as given: host (numpy view) or device (pointer), and whether it came from torch."""
+
+    name: str
+    value: object
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    on_device: bool
+    torch_device: str | None = None  # "cpu", "cuda:0"... for torch tensors
+
+    def host(self) -> np.ndarray:
+        if not self.on_device:
+            return self.value
+        if self.torch_device is None:
+            raise BadInputError(f"input {self.name} is a CUDA array but this runner runs on the CPU: "
+                                "pass a numpy array, or load the bundle with device='cuda'")
+        return self.value.cpu().numpy()
+
+    @property
+    def pointer(self) -> int:
+        if not self.on_device:
+            return self.value.ctypes.data
+        if self.torch_device is not None:
+            return self.value.data_ptr()
+        return self.value.__cuda_array_interface__["data"][0]
+
+
+def imported_torch():
+    return sys.modules.get("torch")  # a torch tensor can only exist when torch is imported
+
+
+def _torch_dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def as_feed(name: str, value) -> Feed:
+    """Classify one input value without copying it (torch CPU tensors become numpy views)."""
+    torch = imported_torch()
+    if torch is not None and isinstance(value, torch.Tensor):
+        tensor = value.detach().contiguous()
+        if tensor.dtype == torch.bfloat16:
+            raise BadInputError(f"input {name} is bfloat16: deploykit bundles take the dtype in their manifest")
+        dtype = np.dtype(_torch_dtype_name(tensor.dtype))
+        if tensor.is_cuda:
+            return Feed(name, tensor, tuple(tensor.shape), dtype, True, str(tensor.device))
+        return Feed(name, tensor.numpy(), tuple(tensor.shape), dtype, False, "cpu")
+    interface = getattr(value, "__cuda_array_interface__", None)
+    if interface is not None:
+        if interface.get("strides") not in (None, _c_strides(interface)):
+            raise BadInputError(f"input {name} is a non-contiguous CUDA array: pass a contiguous one")
+        return Feed(name, value, tuple(interface["shape"]), np.dtype(interface["typestr"]), True)
+    array = np.ascontiguousarray(value)
+    return Feed(name, array, array.shape, array.dtype, False)
+
+
+def _c_strides(interface: dict) -> tuple[int, ...]:
+    itemsize, strides, step = np.dtype(interface["typestr"]).itemsize, [], 1
+    for dim in reversed(interface["shape"]):
+        strides.append(step * itemsize)
+        step *= dim
+    return tuple(reversed(strides))
+
+
+def collect_feeds(feeds, named: Mapping, specs: list[dict]) -> dict[str, Feed]:
+    """Inputs by name (a dict, keywords, or one bare array for a one-input model), checked."""
+    if feeds is not None and not isinstance(feeds, Mapping):
+        if len(specs) != 1:
+            raise BadInputError(f"the model takes {len(specs)} inputs ({', '.join(s['name'] for s in specs)}): "
+                                "pass them by name")
+        feeds = {specs[0]["name"]: feeds}
+    given = {**(feeds or {}), **named}
+    names = [spec["name"] for spec in specs]
+    unknown, missing = sorted(set(given) - set(names)), [n for n in names if n not in given]
+    if unknown or missing:
+        problem = f"no input named {', '.join(unknown)}" if unknown else f"missing {', '.join(missing)}"
+        raise BadInputError(f"{problem}; the model takes {describe_inputs(specs)}")
+    result = {name: as_feed(name, given[name]) for name in names}
+    for spec in specs:
+        check_feed(result[spec["name"]], spec)
+    return result
+
+
+def describe_inputs(specs: list[dict]) -> str:
+    return ", ".join(f"{s['name']} ({s['dtype']}, {'x'.join(map(str, s['shape']))})" for s in specs)
+
+
+def check_feed(feed: Feed, spec: dict) -> None:
+    """Dtype, rank and static sizes must match the manifest (runtimes report these obscurely)."""
+    want = "x".join(map(str, spec["shape"]))
+    if feed.dtype != np.dtype(spec["dtype"]):
+        raise BadInputError(f"input {feed.name} is {feed.dtype}, the model takes {spec['dtype']}: convert it first "
+                            f"(e.g. x.astype(numpy.{spec['dtype']}))")
+    if len(feed.shape) != len(spec["shape"]) or any(
+        isinstance(d, int) and d > 0 and d != g for d, g in zip(spec["shape"], feed.shape)
+    ):
+        raise BadInputError(f"input {feed.name} has shape {'x'.join(map(str, feed.shape))}, the model takes {want}")
+
+
+def check_batch_range(feed: Feed, spec: dict) -> None:
+    """Engines accept only the batch range they were built for."""
+    batch = spec.get("dynamic", {}).get("0")
+    if batch and not batch["min"] <= feed.shape[0] <= batch["max"]:
+        raise BadInputError(f"input {feed.name} has batch {feed.shape[0]}; the engine accepts "
+                            f"{batch['min']}..{batch['max']} (convert with a wider --batch)")
+
+
+def batch_sizes(specs: list[dict]) -> tuple[int, int, int] | None:
+    """(min, opt, max) of the dynamic batch the bundle was converted with, None when static."""
+    batch = specs[0].get("dynamic", {}).get("0") if specs else None
+    return (batch["min"], batch["opt"], batch["max"]) if batch else None
+
+
+def random_inputs(specs: list[dict], batch: int | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded random inputs at ``batch`` (default: the optimum of a dynamic batch)."""
+    from deploykit.validation.inputs import random_feeds
+    from deploykit.specs import InputSpec
+
+    dynamic = batch_sizes(specs)
+    batch = batch or (dynamic[1] if dynamic else None)
+    shapes = []
+    for spec in specs:
+        dims = [d if isinstance(d, int) and d > 0 else None for d in spec["shape"]]
+        if batch is not None and dims:
+            dims[0] = batch
+        if any(d is None for d in dims):
+            raise BadInputError(f"input {spec['name']} has dynamic sizes {spec['shape']}: give inputs as .npz (--inputs)")
+        shapes.append(InputSpec(spec["name"], tuple(dims), spec["dtype"]))
+    return random_feeds(shapes, seed)
+
+
+def bundle_feeds(specs: list[dict], path: Path | None, batch: int | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+    """Inputs for a bundle: a user's .npz (arrays cast to the model's dtypes) or random ones."""
+    if path is None:
+        return random_inputs(specs, batch, seed)
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+    except (OSError, ValueError) as error:
+        raise BadInputError(f"--inputs {path}: cannot read it as .npz ({error}); save with numpy.savez") from None
+    missing = [spec["name"] for spec in specs if spec["name"] not in arrays]
+    if missing:
+        raise BadInputError(f"--inputs {path} lacks {', '.join(missing)} (it holds {', '.join(arrays) or 'nothing'}); "
+                            f"the model takes {describe_inputs(specs)}")
+    return {spec["name"]: arrays[spec["name"]].astype(spec["dtype"], copy=False) for spec in specs}
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+class DeviceArray:
+    """A CUDA buffer owned by the runtime (cuda-python or an OrtValue), shared through
+    ``__cuda_array_interface__`` so CuPy, Numba or torch can wrap it without a copy."""
+
+    def __init__(self, pointer: int, shape, dtype, owner=None, free=None):
+        self.pointer, self.shape, self.dtype = int(pointer), tuple(int(d) for d in shape), np.dtype(dtype)
+        self._owner, self._free = owner, free
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.pointer, False),
+                "strides": None, "version": 3}
+
+    def __del__(self):
+        if self._free is not None:
+            self._free(self.pointer)
+
+
+def output_kind(feeds: dict[str, Feed]) -> tuple[str, str | None]:
+    """What run() returns: ("torch", device) for torch inputs, ("device", None) for other CUDA
+    arrays, ("numpy", None) otherwise."""
+    for feed in feeds.values():
+        if feed.torch_device is not None:
+            return "torch", feed.torch_device
+    if any(feed.on_device for feed in feeds.values()):
+        return "device", None
+    return "numpy", None
+
+
+def deliver_host(array: np.ndarray, kind: str, device: str | None):
+    """A host output in the form the caller gave its inputs."""
+    if kind == "torch":
+        tensor = imported_torch().from_numpy(np.ascontiguousarray(array))
+        return tensor if device == "cpu" else tensor.to(device)
+    if kind == "device":
+        raise BadInputError("CUDA-array inputs need a CUDA runner: load the bundle with device='cuda'")
+    return array

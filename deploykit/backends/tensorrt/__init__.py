@@ -1,0 +1,1 @@
+"""TensorRT and TensorRT-RTX: building engines with our plugins embedded, and running them."""

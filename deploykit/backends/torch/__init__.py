@@ -1,0 +1,1 @@
+"""PyTorch: the reference every conversion is validated against."""

@@ -1,0 +1,2 @@
+"""The bundle on disk: ``format`` (what a manifest holds), ``write`` (atomic writing), ``read``
+(opening and verifying), ``inspect`` (``deploykit inspect``)."""

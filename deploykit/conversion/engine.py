@@ -1,0 +1,98 @@
+"""The TensorRT stage of a conversion: build an engine from the optimized graph, with our
+plugins embedded, and run it for validation where this machine can.
+
+Kept apart from api.py because everything here is optional: it runs only for
+``--backend tensorrt`` or ``all``, and imports TensorRT only then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+
+import onnx
+
+from deploykit.native import build as native
+from deploykit.backends.tensorrt import builder as tensorrt
+from deploykit.errors import EnvironmentProblem
+from deploykit.ops import custom_op_types
+from deploykit.specs import BatchRange, InputSpec
+
+
+@dataclasses.dataclass
+class EngineStage:
+    """An engine ready for the bundle, its runner (None when it cannot run here) and notes."""
+
+    build: tensorrt.EngineBuild
+    file_name: str
+    plugin_sha256: str | None
+    runner: object | None
+    run_note: str
+
+    def to_json(self) -> dict:
+        return {
+            "file": self.file_name,
+            "flavour": self.build.flavour,
+            "version": self.build.version,
+            "targets": list(self.build.targets),
+            "plugin_library_sha256": self.plugin_sha256,
+            "plugin_layers": len(self.build.plugin_layers),
+            "plugin_layer_list": [dict(layer) for layer in self.build.plugin_layers],
+            "layers": len(self.build.layers),
+            "validated": self.runner is not None,
+            "note": self.run_note,
+        }
+
+
+def build_tensorrt_stage(
+    model: onnx.ModelProto,
+    specs: list[InputSpec],
+    batch: BatchRange | None,
+    targets: list[str] | None,
+    workspace_bytes: int | None,
+    precision: str = "fp32",
+) -> EngineStage:
+    plugin_library = _plugin_library(model)
+    build = tensorrt.build_engine(
+        model.SerializeToString(),
+        plugin_library=plugin_library,
+        batch=(batch.min, batch.opt, batch.max) if batch else None,
+        input_shapes={spec.name: spec.shape for spec in specs},
+        targets=targets,
+        workspace_bytes=workspace_bytes,
+        timing_cache=native.cache_dir() / f"{build_flavour_key()}.timing-cache",
+    )
+    if plugin_library is not None and len(build.plugin_layers) != _custom_node_count(model):
+        raise EnvironmentProblem(
+            f"TensorRT made {len(build.plugin_layers)} plugin layers for {_custom_node_count(model)} deploykit "
+            "nodes: our plugins did not replace every node; run deploykit build-plugins --force"
+        )
+    can_run, reason = tensorrt.can_run_here(build)
+    runner = tensorrt.TensorRTRunner(build) if can_run else None
+    note = f"validated on {reason}" if can_run else f"engine built but not executed: {reason}"
+    sha = hashlib.sha256(Path(plugin_library).read_bytes()).hexdigest() if plugin_library else None
+    targets_text = "_".join("sm" + t.replace(".", "") for t in build.targets)
+    return EngineStage(build, f"model.{precision}.{targets_text}.engine", sha, runner, note)
+
+
+def build_flavour_key() -> str:
+    flavour = tensorrt.load_tensorrt()
+    return f"{flavour.name}-{flavour.version}"
+
+
+def _custom_node_count(model: onnx.ModelProto) -> int:
+    return sum(1 for node in model.graph.node if node.op_type in custom_op_types(model))
+
+
+def _plugin_library(model: onnx.ModelProto) -> Path | None:
+    """Our plugin library when the graph has deploykit nodes; a clear error if it cannot be built."""
+    if not custom_op_types(model):
+        return None
+    build = native.build_plugins()
+    if build.tensorrt_library is None:
+        raise EnvironmentProblem(
+            f"the graph uses {', '.join(custom_op_types(model))} but deploykit's TensorRT plugins are not "
+            f"available ({build.disabled.get('tensorrt')}); install what is named, or pass --no-custom-ops"
+        )
+    return build.tensorrt_library

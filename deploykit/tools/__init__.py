@@ -1,0 +1,1 @@
+"""Commands around a bundle that are not conversion: ``bench``, ``profile``, ``debug``, ``doctor``."""

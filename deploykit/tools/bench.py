@@ -1,0 +1,505 @@
+"""``deploykit bench``: latency and throughput of a bundle's backends side by side, per batch size.
+
+Each contender (PyTorch eager and torch.compile, in fp32 and in the bundle's reduced precision,
+ONNX Runtime on the plain export, on deploykit's graph with its ONNX functions and with our op
+library, with CUDA graphs, TensorRT) turns a feed set into a zero-argument step that runs one
+inference to completion; the same loop times every step after a warm-up. What cannot run here is
+listed with the reason instead of silently missing from the table. Inputs live where the backend
+runs (CUDA tensors on a GPU), so the numbers measure inference, not host copies.
+
+On a GPU every contender runs on one bench stream (ONNX Runtime through its
+``user_compute_stream``) and each call is timed by CUDA events recorded on that stream before
+and after it: the latency of one synchronous inference, launch gaps included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import datetime
+import functools
+import gc
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from deploykit import runtime
+from deploykit.errors import BadInputError, DeployKitError, error_summary
+from deploykit.versions import tool_versions
+
+Step = Callable[[], object]
+
+
+@dataclasses.dataclass
+class Settings:
+    """How to measure. ``max_seconds`` bounds one (contender, batch) measurement."""
+
+    batch_sizes: list[int]
+    device: str = "cpu"
+    warmup: int = 10
+    iterations: int = 100
+    max_seconds: float = 20.0
+    seed: int = 0
+    tf32: bool = False  # let fp32 matrix products round to TF32 (ONNX Runtime's and PyTorch's alike)
+
+
+@dataclasses.dataclass
+class Contender:
+    """One thing to time. ``setup()`` builds the backend (a session, a compiled module) when its
+    turn comes and returns ``prepare(feeds) -> step``; without ``setup``, ``reason`` says why
+    it is skipped (or, with ``failed``, why it broke)."""
+
+    key: str
+    label: str
+    setup: Callable[[], Callable[[dict], Step]] | None = None
+    reason: str = ""
+    failed: bool = False
+    inputs: list[dict] | None = None  # input specs when it runs another bundle than the benched one
+
+
+@dataclasses.dataclass
+class SourceModel:
+    """The PyTorch model behind the bundle, or why it could not be loaded."""
+
+    loaded: object | None
+    reason: str = ""
+
+
+def load_source(bundle: runtime.Bundle, model: Path | None, factory: str | None, trust_pickle: bool) -> SourceModel:
+    """--model (default: the manifest's ``source`` when that file exists), through deploykit.conversion.loading.
+
+    A relative ``source`` was relative to where convert ran: tried from here, then beside the bundle.
+    """
+    path = Path(model) if model else Path(bundle.manifest.get("source", ""))
+    if not model and not path.is_file() and (bundle.path.parent / path).is_file():
+        path = bundle.path.parent / path
+    if not model and not path.is_file():
+        return SourceModel(None, f"the source model {str(path)!r} recorded in the manifest is not here; pass --model")
+    try:
+        from deploykit.conversion.loading import load_model
+
+        return SourceModel(load_model(path, factory, trust_pickle))
+    except DeployKitError as error:
+        return SourceModel(None, f"cannot load {path}: {error}")
+
+
+# --------------------------------------------------------------------------- contenders
+
+
+REDUCED = ("fp16", "bf16")
+KEYS = ("pytorch", "torch-compile", *(f"{key}-{p}" for p in REDUCED for key in ("pytorch", "torch-compile")),
+        "ort-plain", "ort-functions", "ort-deploykit", "ort-cuda-graph", "baseline", "baseline-cuda-graph", "tensorrt")
+
+
+def contenders(bundle: runtime.Bundle, settings: Settings, source: SourceModel, *, plain_onnx: Path | None = None,
+               export_plain: bool = False, baseline: runtime.Bundle | None = None,
+               only: set[str] | None = None) -> list[Contender]:
+    """Everything bench compares, in a fixed order; skipped ones carry their reason.
+
+    Backends are built one at a time when measured and dropped after: an idle ONNX Runtime
+    thread pool next to torch's threads would slow both on a small machine. Only the plain
+    export is made here, while the source model is still untouched by any contender.
+    ``baseline`` is another bundle of the same model (say the fp32 one beside an fp16 one),
+    timed in ONNX Runtime in the same run.
+    """
+    graph = "ONNX Runtime: deploykit graph" + (" + op library" if bundle.op_library else "")
+    device, tf32 = settings.device, settings.tf32
+    precision = bundle.manifest.get("precision", "fp32")
+    plans = [
+        ("pytorch", "PyTorch eager", lambda: _eager(source, device)),
+        ("torch-compile", "torch.compile", lambda: _compiled(source, device)),
+    ]
+    if precision in REDUCED:  # the fair PyTorch baseline for a reduced-precision bundle
+        plans += [
+            (f"pytorch-{precision}", f"PyTorch eager, {precision}", lambda: _eager(source, device, precision)),
+            (f"torch-compile-{precision}", f"torch.compile, {precision}", lambda: _compiled(source, device, precision)),
+        ]
+    plans += [
+        ("ort-plain", "ONNX Runtime: plain export", lambda: _plain(bundle, device, tf32, source, plain_onnx, export_plain)),
+        ("ort-functions", "ONNX Runtime: deploykit graph, ONNX functions", lambda: _ort(bundle, device, tf32, False)),
+        ("ort-deploykit", graph, lambda: _ort(bundle, device, tf32, True)),
+        ("ort-cuda-graph", "ONNX Runtime: deploykit graph, CUDA graph", lambda: _ort_cuda_graph(bundle, device, tf32)),
+    ]
+    if baseline is not None:
+        name = f"{baseline.path.name} ({baseline.manifest.get('precision', 'fp32')})"
+        plans += [
+            ("baseline", f"ONNX Runtime: baseline bundle {name}", lambda: _ort(baseline, device, tf32, True)),
+            ("baseline-cuda-graph", f"ONNX Runtime: baseline bundle {name}, CUDA graph",
+             lambda: _ort_cuda_graph(baseline, device, tf32)),
+        ]
+    plans.append(("tensorrt", "TensorRT engine", lambda: _tensorrt(bundle, device)))
+    if not bundle.op_library:  # without our ops the two deploykit-graph contenders are the same
+        plans = [plan for plan in plans if plan[0] != "ort-functions"]
+    found = [_contender(key, label, plan, only) for key, label, plan in plans]
+    for contender in found:
+        if contender.key.startswith("baseline"):
+            contender.inputs = baseline.inputs
+    return found
+
+
+def _contender(key: str, label: str, plan, only: set[str] | None) -> Contender:
+    """``plan()`` returns the setup function, or a string saying why this contender cannot run."""
+    if only is not None and key not in only:
+        return Contender(key, label, reason="not selected (--only)")
+    try:
+        setup = plan()
+    except Exception as error:  # noqa: BLE001 - reported in the table
+        return Contender(key, label, reason=error_summary(error)[:300], failed=True)
+    return Contender(key, label, reason=setup) if isinstance(setup, str) else Contender(key, label, setup)
+
+
+def _torch_feeds(feeds: dict, device: str) -> list:
+    import torch
+
+    return [torch.from_numpy(array).to(device) for array in feeds.values()]
+
+
+def _synchronize(device: str) -> Callable[[], None]:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def cast_feeds(feeds: dict, precision: str = "fp32") -> dict:
+    """Floating inputs in the precision PyTorch runs in (a bundle may take fp16 inputs, the source model fp32)."""
+    import torch
+
+    dtype = torch_dtype(precision)
+    return {name: torch.from_numpy(a.astype(np.float32)).to(dtype) if a.dtype.kind == "f" else torch.from_numpy(a)
+            for name, a in feeds.items()}
+
+
+def torch_dtype(precision: str):
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+
+
+def _module_step(module, device: str, precision: str) -> Callable[[dict], Step]:
+    def prepare(feeds: dict) -> Step:
+        import torch
+
+        args, sync = [t.to(device) for t in cast_feeds(feeds, precision).values()], _synchronize(device)
+
+        def step():
+            with torch.inference_mode():
+                result = module(*args)
+            sync()
+            return result
+
+        return step
+
+    return prepare
+
+
+def _module_copy(source: SourceModel, device: str, precision: str):
+    """A copy of the source model on ``device`` in ``precision``: the source itself stays as loaded."""
+    return copy.deepcopy(source.loaded.module).to(device=device, dtype=torch_dtype(precision))
+
+
+def _pytorch_problem(source: SourceModel, device: str, precision: str) -> str | None:
+    if source.loaded is None:
+        return source.reason
+    if precision != "fp32" and device != "cuda":
+        return f"PyTorch {precision} is measured on the GPU only (the CPU is not where it would be deployed)"
+    return None
+
+
+def _eager(source: SourceModel, device: str, precision: str = "fp32"):
+    if problem := _pytorch_problem(source, device, precision):
+        return problem
+    return lambda: _module_step(_module_copy(source, device, precision), device, precision)
+
+
+def _compiled(source: SourceModel, device: str, precision: str = "fp32"):
+    if problem := _pytorch_problem(source, device, precision):
+        return problem
+    if source.loaded.kind == "torchscript":
+        return "torch.compile does not take TorchScript modules"
+
+    def setup():
+        import torch
+
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "no CUDA runtime" on CPU machines
+        return _module_step(torch.compile(_module_copy(source, device, precision)), device, precision)
+
+    return setup
+
+
+def _plain(bundle, device, tf32: bool, source: SourceModel, plain_onnx: Path | None, export_plain: bool):
+    """The plain export is made now, at planning time, from the source model as loaded."""
+    if plain_onnx is None and not export_plain:
+        return "the bundle keeps only deploykit's graph; pass --plain-onnx FILE, or --export-plain to re-export the source model"
+    if plain_onnx is None and source.loaded is None:
+        return f"--export-plain needs the source model: {source.reason}"
+    model = Path(plain_onnx) if plain_onnx else export_plain_onnx(bundle, source.loaded)
+    return _ort(bundle, device, tf32, False, model)
+
+
+def export_plain_onnx(bundle: runtime.Bundle, loaded) -> Path:
+    """Re-export the source model as the bundle was exported (no deploykit passes), to a temp file
+    that lives as long as this process."""
+    import onnx
+
+    from deploykit.conversion.export import export_onnx
+    from deploykit.specs import BatchRange
+
+    dynamic = runtime.batch_sizes(bundle.inputs)
+    example = runtime.random_inputs(bundle.inputs, max(2, dynamic[1]) if dynamic else None, seed=1234)
+    exported = export_onnx(loaded, cast_feeds(example), [o["name"] for o in bundle.outputs],
+                           BatchRange(*dynamic) if dynamic else None,
+                           bundle.manifest["opset"], bundle.manifest.get("exporter", "auto"))
+    folder = tempfile.TemporaryDirectory(prefix="deploykit-bench-")
+    _TEMPORARY.append(folder)
+    path = Path(folder.name) / "plain.onnx"
+    onnx.save_model(exported.model, path)
+    return path
+
+
+_TEMPORARY: list[tempfile.TemporaryDirectory] = []  # removed when the process ends
+
+
+def _bench_stream(device: str) -> int | None:
+    """The stream ONNX Runtime must run on to be timed: torch's current one, which is the bench stream."""
+    return runtime.TorchMemory(0).stream() if device == "cuda" else None
+
+
+def _ort(bundle, device, tf32: bool, op_library: bool, model: Path | None = None):
+    if device == "cuda" and not runtime.ort_has_cuda():
+        return f"onnxruntime has no {runtime.CUDA_EP} (pip install onnxruntime-gpu)"
+
+    def setup():
+        runner = runtime.OnnxRuntimeBundleRunner(bundle, device, op_library=op_library, model=model,
+                                                 stream=_bench_stream(device), tf32=tf32)
+
+        def prepare(feeds: dict) -> Step:
+            given = dict(zip(feeds, _torch_feeds(feeds, device))) if device == "cuda" else feeds
+            return lambda: runner.run(given)
+
+        return prepare
+
+    return setup
+
+
+def _ort_cuda_graph(bundle, device, tf32: bool):
+    if device != "cuda" or not runtime.ort_has_cuda():
+        return f"CUDA graphs need a GPU and onnxruntime-gpu's {runtime.CUDA_EP}"
+    return lambda: functools.partial(cuda_graph_step, bundle, tf32)
+
+
+def cuda_graph_step(bundle: runtime.Bundle, tf32: bool, feeds: dict) -> Step:
+    """A session per batch size with CUDA graphs on: ORT captures the first run and replays it,
+    which needs inputs and outputs at fixed device addresses (IOBinding)."""
+    runner = runtime.OnnxRuntimeBundleRunner(bundle, "cuda", cuda_graph=True, stream=_bench_stream("cuda"), tf32=tf32)
+    memory = runtime.TorchMemory(0)
+    given = {name: runtime.as_feed(name, memory.to_device(array)) for name, array in feeds.items()}
+    binding = runner.session.io_binding()
+    for name, feed in given.items():
+        binding.bind_input(name, "cuda", 0, feed.dtype, list(feed.shape), feed.pointer)
+    keep = []
+    for spec, shape in zip(runner.outputs, runner.output_shapes(given)):
+        if shape is None:
+            raise BadInputError(f"output {spec['name']} has a data-dependent shape: CUDA graphs need fixed shapes")
+        keep.append(memory.empty(shape, spec["dtype"]))
+        binding.bind_output(spec["name"], "cuda", 0, np.dtype(spec["dtype"]), list(shape), keep[-1].data_ptr())
+
+    def step():
+        runner.session.run_with_iobinding(binding)
+        return keep  # the buffers must outlive the captured graph: the step holds them
+
+    return step
+
+
+def _tensorrt(bundle: runtime.Bundle, device: str):
+    if not bundle.engines:
+        return "the bundle has no engine (convert with --backend tensorrt)"
+    if device != "cuda":
+        return "TensorRT runs on the GPU only"
+    from deploykit.backends.tensorrt import builder as tensorrt
+
+    entry = bundle.engines[0]
+    problem = runtime.engine_problem(entry, runtime.installed_tensorrt(entry["flavour"]), tensorrt.local_gpus())
+    if problem:
+        return problem
+
+    def setup():
+        runner = runtime.TensorRTBundleRunner(bundle, entry)
+
+        def prepare(feeds: dict) -> Step:
+            given, sync = dict(zip(feeds, _torch_feeds(feeds, "cuda"))), _synchronize("cuda")
+            return lambda: (runner.run(given), sync())
+
+        return prepare
+
+    return setup
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+TIMING = {"cpu": "host clock around each call",
+          "cuda": "CUDA events on the bench stream before and after each synchronous call"}
+
+
+def call_timer(device: str) -> Callable[[Step], float]:
+    """Seconds one call of a step takes: CUDA events on the current (bench) stream on a GPU, where
+    every contender's work is queued, else the host clock."""
+    if device != "cuda":
+        def host_clock(step: Step) -> float:
+            start = time.perf_counter()
+            step()
+            return time.perf_counter() - start
+
+        return host_clock
+    import torch
+
+    def cuda_events(step: Step) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    return cuda_events
+
+
+@contextlib.contextmanager
+def bench_stream(device: str, tf32: bool):
+    """On a GPU, one non-default stream for every contender (ONNX Runtime's sessions are given it),
+    and PyTorch's TF32 switches set as ONNX Runtime's are, so fp32 means the same on both sides."""
+    if device != "cuda":
+        yield
+        return
+    import torch
+
+    switches = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = [switch.allow_tf32 for switch in switches]
+    try:
+        for switch in switches:
+            switch.allow_tf32 = tf32
+        with torch.cuda.stream(torch.cuda.Stream()):
+            yield
+    finally:
+        for switch, value in zip(switches, saved):
+            switch.allow_tf32 = value
+
+
+def measure(step: Step, settings: Settings) -> list[float]:
+    """Seconds per call after ``warmup`` calls; at least 5 calls, then stop at ``max_seconds``."""
+    for _ in range(settings.warmup):
+        step()
+    timer, times, deadline = call_timer(settings.device), [], time.perf_counter() + settings.max_seconds
+    for index in range(settings.iterations):
+        times.append(timer(step))
+        if time.perf_counter() > deadline and index >= 4:
+            break
+    return times
+
+
+def summarize(times: list[float], batch: int) -> dict:
+    """Latency percentiles (ms), mean, coefficient of variation and samples per second."""
+    ms = np.asarray(times) * 1e3
+    mean = float(ms.mean())
+    p50, p90, p99 = (float(v) for v in np.percentile(ms, [50, 90, 99]))
+    return {"batch": batch, "iterations": len(times), "p50_ms": p50, "p90_ms": p90, "p99_ms": p99, "mean_ms": mean,
+            "cv": float(ms.std() / mean) if mean else 0.0, "throughput": batch / (mean / 1e3) if mean else 0.0}
+
+
+def add_ratios(entries: list[dict]) -> None:
+    """``vs_fastest``: p50 latency over the fastest contender's at the same batch size (1.0 = fastest)."""
+    best: dict[int, float] = {}
+    for entry in entries:
+        for result in entry["results"]:
+            best[result["batch"]] = min(best.get(result["batch"], float("inf")), result["p50_ms"])
+    for entry in entries:
+        for result in entry["results"]:
+            result["vs_fastest"] = result["p50_ms"] / best[result["batch"]]
+
+
+def bench_contender(contender: Contender, settings: Settings, specs: list[dict], tick) -> dict:
+    """Time one contender at every batch size; a failure is recorded, not raised."""
+    entry = {"key": contender.key, "label": contender.label, "status": "failed" if contender.failed else "skipped",
+             "reason": contender.reason, "results": []}
+    if contender.setup is None:
+        return entry
+    try:
+        tick(f"{contender.label}: setting up")
+        start = time.perf_counter()
+        prepare = contender.setup()
+        entry["setup_s"] = time.perf_counter() - start
+        for batch in settings.batch_sizes:
+            tick(f"{contender.label}, batch {batch}")
+            step = prepare(runtime.random_inputs(contender.inputs or specs, batch, settings.seed))
+            start = time.perf_counter()
+            step()  # first call: compilation, graph capture, lazy initialisation
+            first = time.perf_counter() - start
+            entry["results"].append({**summarize(measure(step, settings), batch), "first_call_s": first})
+        entry["status"] = "ok"
+    except Exception as error:  # noqa: BLE001 - one backend failing must not end the run
+        entry.update(status="failed", reason=error_summary(error)[:300])
+    finally:
+        prepare = step = None
+        gc.collect()  # free this backend's sessions and threads before the next one runs
+    return entry
+
+
+def batch_plan(bundle: runtime.Bundle, requested: list[int] | None) -> list[int]:
+    dynamic = runtime.batch_sizes(bundle.inputs)
+    if requested:
+        return sorted(set(requested))
+    if dynamic:
+        return sorted(set(dynamic))
+    first = bundle.inputs[0]["shape"][0]
+    return [first if isinstance(first, int) and first > 0 else 1]
+
+
+def run_benchmark(bundle: runtime.Bundle, settings: Settings, found: list[Contender], tick=lambda text: None) -> dict:
+    """Measure every contender and return bench.json's content."""
+    with bench_stream(settings.device, settings.tf32):
+        entries = [bench_contender(c, settings, bundle.inputs, tick) for c in found]
+    add_ratios(entries)
+    return {
+        "bundle": str(bundle.path),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": settings.device,
+        "settings": dataclasses.asdict(settings),
+        "timing": TIMING[settings.device],
+        "versions": tool_versions(),
+        "contenders": entries,
+    }
+
+
+def resolve_device(device: str) -> str:
+    """auto: cuda when torch can use a GPU here (bench feeds the GPU backends torch tensors), else cpu."""
+    kind, _ = runtime.parse_device(device)
+    if kind != "auto":
+        return kind
+    if runtime.has_gpu():
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return "cuda"
+        except ImportError:
+            pass
+    return "cpu"
+
+
+def parse_batches(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise BadInputError(f"--batch {text!r}: give batch sizes like 1,8,32")
+    return sizes

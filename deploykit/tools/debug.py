@@ -1,0 +1,114 @@
+"""``deploykit debug BUNDLE``: read a converted bundle, compare it layer by layer, or auto-fix it.
+
+The bundle holds the typed graph, the fp32 graph it came from (``model.fp32.onnx``) and our op
+library; this module turns them into the inputs of :mod:`deploykit.validation.layerwise` and
+:mod:`deploykit.validation.auto_fix`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from deploykit.validation.auto_fix import FixProblem, FixResult, auto_fix
+from deploykit.validation.compare import Tolerance
+from deploykit.errors import BadInputError
+from deploykit.validation.inputs import load_feeds, random_feeds
+from deploykit.validation.layerwise import LayerDiff, compare_layers, run_values
+from deploykit.passes.precision import FLOAT, emulate
+from deploykit.conversion.precision import REFERENCE_MODEL
+from deploykit.specs import InputSpec
+
+
+@dataclasses.dataclass
+class BundleGraphs:
+    """What ``deploykit debug`` reads from a bundle."""
+
+    path: Path
+    manifest: dict
+    model: onnx.ModelProto
+    reference: onnx.ModelProto | None
+    op_library: Path | None
+    precision: str
+    io_precision: str | None
+
+
+def open_bundle(path: Path) -> BundleGraphs:
+    manifest_path = Path(path) / "manifest.json"
+    if not manifest_path.is_file():
+        raise BadInputError(f"{path} is not a deploykit bundle (no manifest.json); pass the -o directory of convert")
+    manifest = json.loads(manifest_path.read_text())
+    reference_path = Path(path) / (manifest.get("reference_model") or REFERENCE_MODEL)
+    libraries = [Path(path) / entry["file"] for entry in manifest.get("custom_op_libraries", [])]
+    report_path = Path(path) / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    return BundleGraphs(
+        Path(path), manifest, onnx.load(Path(path) / manifest.get("model", "model.onnx")),
+        onnx.load(reference_path) if reference_path.is_file() else None,
+        next((lib for lib in libraries if lib.is_file()), None),
+        manifest.get("precision", "fp32"), report.get("precision", {}).get("io_precision"),
+    )
+
+
+def bundle_feeds(bundle: BundleGraphs, feeds_path: Path | None, seed: int, batch: int | None) -> dict:
+    """The user's .npz, or seeded random inputs at ``batch`` (default: the largest validated)."""
+    specs = []
+    sizes = bundle.manifest.get("validation", {}).get("batch_sizes") or [1]
+    for entry in bundle.manifest["inputs"]:
+        shape = [d if isinstance(d, int) and d > 0 else 1 for d in entry["shape"]]
+        shape[0] = batch or max(sizes)
+        kind = np.dtype(entry["dtype"]).kind if entry["dtype"] != "bfloat16" else "f"
+        specs.append(InputSpec(entry["name"], tuple(shape), "float32" if kind == "f" else entry["dtype"]))
+    if feeds_path is not None:
+        feeds = load_feeds(feeds_path, specs)
+        return {k: v.astype(np.float32) if v.dtype.kind == "f" else v for k, v in feeds.items()}
+    return random_feeds(specs, seed)
+
+
+def layerwise(bundle: BundleGraphs, feeds: dict, reference: onnx.ModelProto | None = None) -> list[LayerDiff]:
+    """Node-by-node diffs of the bundle's graph against ``reference``.
+
+    Reduced precision: the rounding emulation of model.onnx against the fp32 graph it came
+    from. fp32: model.onnx as deployed (our op library, ONNX Runtime's rewrites) against
+    ``reference``, by default model.onnx without either (the ONNX semantics).
+    """
+    graph = ir.serde.deserialize_graph(bundle.model.graph)
+    if bundle.precision != "fp32":
+        expected = run_values(reference or _need_reference(bundle), feeds, bundle.op_library)
+        actual = run_values(emulate(bundle.model), feeds, bundle.op_library)
+    else:
+        expected = run_values(reference or bundle.model, feeds, None, optimize=False)
+        actual = run_values(bundle.model, feeds, bundle.op_library)
+    return compare_layers(graph, expected, actual, Tolerance.for_precision(bundle.precision))
+
+
+def fix_bundle(bundle: BundleGraphs, feeds: dict, max_pinned: int = 16,
+               reference: onnx.ModelProto | None = None) -> FixResult:
+    """Auto-fix a reduced-precision bundle, starting from the fp32 nodes it already has."""
+    fp32 = reference or _need_reference(bundle)
+    expected = run_values(fp32, feeds, bundle.op_library)
+    outputs = [o.name for o in fp32.graph.output]
+    tolerances = {name: Tolerance.for_precision(bundle.precision) for name in outputs}
+    problem = FixProblem(fp32, bundle.precision, bundle.io_precision, {}, feeds,
+                         {name: expected[name] for name in outputs}, tolerances, bundle.op_library,
+                         keep_fp32=dict.fromkeys(fp32_node_names(bundle.model), "fp32 in the bundle"))
+    return auto_fix(problem, max_pinned)
+
+
+def fp32_node_names(model: onnx.ModelProto) -> list[str]:
+    """Nodes of a typed graph that compute in fp32 (Casts aside)."""
+    graph = ir.serde.deserialize_graph(model.graph)
+    return [node.name for node in graph
+            if node.op_type != "Cast" and any(v.dtype == FLOAT for v in node.outputs)]
+
+
+def _need_reference(bundle: BundleGraphs) -> onnx.ModelProto:
+    if bundle.reference is None:
+        raise BadInputError(f"{bundle.path} has no {REFERENCE_MODEL}: convert it again with this deploykit, "
+                            "or give the fp32 graph with --reference")
+    return bundle.reference

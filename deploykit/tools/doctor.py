@@ -1,0 +1,327 @@
+"""``deploykit doctor [BUNDLE]``: why a model will not run here, and what to do about it.
+
+Facts are gathered once (``gather``: driver, GPUs, torch, nvcc, ONNX Runtime, TensorRT,
+cuda-python, our libraries) into an ``Environment``; each check is a pure function of it
+(and of a bundle's manifest), so the rules -- e.g. "no kernel image is available" when torch
+was not built for this GPU, TensorRT-RTX refusing Hopper -- are tested without the hardware.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import importlib.metadata
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from deploykit import runtime
+
+TORCH_INDEX = "pip install torch --index-url https://download.pytorch.org/whl/cu{cuda}"
+
+
+@dataclasses.dataclass
+class Check:
+    """One line of the doctor's table: ok, warn, fail or skip, with the fix for a problem."""
+
+    area: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+@dataclasses.dataclass
+class Environment:
+    """What this machine has. ``gpus``: ((name, "major.minor"), ...) or why there are none."""
+
+    driver: str | None = None
+    driver_cuda: str | None = None
+    gpus: tuple | str = "not checked"
+    torch: dict | None = None
+    nvcc: str | None = None
+    onnxruntime: dict | None = None
+    tensorrt: dict = dataclasses.field(default_factory=dict)  # flavour -> version, or "error: why"
+    rtx_targets: tuple[str, ...] | None = None
+    cuda_python: str | None = None
+    libraries: dict = dataclasses.field(default_factory=dict)  # library -> "ok" or why it fails to load
+
+
+# --------------------------------------------------------------------------- gathering facts
+
+
+def gather(bundle: runtime.Bundle | None = None) -> Environment:
+    from deploykit.backends.tensorrt import builder as tensorrt
+
+    env = Environment(gpus=tensorrt.local_gpus(), torch=_torch_facts(), nvcc=_nvcc_version(),
+                      onnxruntime=_ort_facts(), cuda_python=_distribution("cuda-bindings", "cuda-python"))
+    env.driver, env.driver_cuda = _driver_facts()
+    for flavour in ("tensorrt", "tensorrt-rtx"):
+        version, targets = runtime.installed_tensorrt(flavour)
+        if version:
+            env.tensorrt[flavour] = version
+            env.rtx_targets = targets or env.rtx_targets
+    env.libraries = _library_facts(bundle)
+    return env
+
+
+def _distribution(*names: str) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _driver_facts() -> tuple[str | None, str | None]:
+    """(driver version from NVML, CUDA version the driver supports from libcuda)."""
+    driver = cuda = None
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        buffer = ctypes.create_string_buffer(96)
+        if nvml.nvmlInit_v2() == 0 and nvml.nvmlSystemGetDriverVersion(buffer, 96) == 0:
+            driver = buffer.value.decode()
+    except OSError:
+        pass
+    try:
+        version = ctypes.c_int()
+        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) == 0:
+            cuda = f"{version.value // 1000}.{version.value % 1000 // 10}"
+    except OSError:
+        pass
+    return driver, cuda
+
+
+def _torch_facts() -> dict | None:
+    if _distribution("torch") is None:
+        return None
+    import torch
+
+    return {"version": torch.__version__, "cuda": torch.version.cuda, "archs": list(torch.cuda.get_arch_list()),
+            "available": torch.cuda.is_available()}
+
+
+def _nvcc_version() -> str | None:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    output = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    match = re.search(r"release (\d+\.\d+)", output)
+    return match.group(1) if match else "unknown"
+
+
+def _ort_facts() -> dict | None:
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    installed = [n for n in ("onnxruntime", "onnxruntime-gpu") if _distribution(n)]
+    return {"version": ort.__version__, "providers": ort.get_available_providers(), "distributions": installed}
+
+
+def _library_facts(bundle: runtime.Bundle | None) -> dict[str, str]:
+    """Whether our libraries load here: the bundle's op library, else the newest cached build's."""
+    libraries = {}
+    if bundle is not None and bundle.op_library:
+        path = bundle.path / bundle.op_library["file"]
+        libraries[f"bundle {path.name}"] = _ort_library_loads(path)
+    elif (build := _newest_build()) is not None:
+        for name, relative in build.get("libraries", {}).items():
+            path = build["dir"] / relative
+            libraries[f"{path.name} ({build['dir']})"] = (_ort_library_loads(path) if name == "onnxruntime"
+                                                          else _dlopen(path))
+    return libraries
+
+
+def _newest_build() -> dict | None:
+    from deploykit.native import build as native
+
+    manifests = sorted((native.cache_dir() / "build").glob(f"*/{native.MANIFEST}"), key=lambda p: p.stat().st_mtime)
+    if not manifests:
+        return None
+    return {**json.loads(manifests[-1].read_text()), "dir": manifests[-1].parent}
+
+
+def _ort_library_loads(path: Path) -> str:
+    try:
+        import onnxruntime as ort
+
+        ort.SessionOptions().register_custom_ops_library(str(path))
+        return "ok"
+    except Exception as error:  # noqa: BLE001
+        return str(error).splitlines()[0][:200]
+
+
+def _dlopen(path: Path) -> str:
+    try:
+        ctypes.CDLL(str(path))
+        return "ok"
+    except OSError as error:
+        return str(error)[:200]
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_gpu(env: Environment) -> list[Check]:
+    if isinstance(env.gpus, str):
+        return [Check("GPU", "skip", f"{env.gpus}: CPU only (ONNX Runtime on the CPU still runs bundles)",
+                      "install the NVIDIA driver to use a GPU")]
+    driver = f"driver {env.driver or '?'}, supports CUDA {env.driver_cuda or '?'}"
+    return [Check("GPU", "ok", f"{name} (compute capability {cc}); {driver}") for name, cc in env.gpus]
+
+
+def torch_runs_on(archs: list[str], capability: str) -> bool:
+    """Whether torch's compiled architectures cover a GPU: SASS sm_XY runs on X.Y' with Y' >= Y
+    (same major); PTX compute_XY is JIT-compiled for any capability >= X.Y."""
+    major, minor = (int(p) for p in capability.split("."))
+    for arch in archs:
+        match = re.fullmatch(r"(sm|compute)_(\d+?)(\d)(a|f)?", arch)
+        if not match:
+            continue
+        kind, a_major, a_minor, suffix = match.group(1), int(match.group(2)), int(match.group(3)), match.group(4)
+        if suffix == "a" and (a_major, a_minor) != (major, minor):
+            continue
+        if kind == "sm" and a_major == major and a_minor <= minor:
+            return True
+        if kind == "compute" and (a_major, a_minor) <= (major, minor):
+            return True
+    return False
+
+
+def check_torch(env: Environment) -> list[Check]:
+    info = env.torch
+    if info is None:
+        return [Check("PyTorch", "skip", "not installed (bundles run without it; bench/profile need it for the source model)")]
+    head = f"torch {info['version']}, CUDA build {info['cuda'] or 'none (CPU build)'}"
+    if isinstance(env.gpus, str):
+        return [Check("PyTorch", "ok", head)]
+    if info["cuda"] is None:
+        return [Check("PyTorch", "warn", f"{head}: cannot use the GPU", TORCH_INDEX.format(cuda="130"))]
+    checks = []
+    if env.driver_cuda and runtime.version_tuple(env.driver_cuda) < runtime.version_tuple(info["cuda"])[:2]:
+        checks.append(Check("PyTorch", "fail", f"{head}, but the driver supports CUDA {env.driver_cuda} only "
+                            "(\"CUDA driver version is insufficient for CUDA runtime version\")",
+                            f"update the NVIDIA driver, or install torch for CUDA <= {env.driver_cuda}"))
+    for name, cc in env.gpus:
+        if not torch_runs_on(info["archs"], cc):
+            checks.append(Check("PyTorch", "fail", f"{head} has kernels for {', '.join(info['archs'])}, none for "
+                                f"{name} (sm_{cc.replace('.', '')}): its CUDA calls fail with \"no kernel image is "
+                                "available for execution on the device\"",
+                                "install a torch build whose arch list includes this GPU (newer CUDA wheels "
+                                f"cover newer GPUs): {TORCH_INDEX.format(cuda='130')}"))
+    return checks or [Check("PyTorch", "ok", f"{head}; kernels for {', '.join(info['archs'])}")]
+
+
+def check_nvcc(env: Environment) -> list[Check]:
+    if env.nvcc is None:
+        return [Check("nvcc", "warn", "not found: deploykit's libraries build without CUDA kernels (CPU only)",
+                      "install the CUDA toolkit (nvcc on PATH) and run deploykit build-plugins --force")]
+    if env.driver_cuda and runtime.version_tuple(env.nvcc) > runtime.version_tuple(env.driver_cuda):
+        return [Check("nvcc", "warn", f"nvcc {env.nvcc} is newer than the driver's CUDA {env.driver_cuda}: kernels "
+                      "it builds may not load (\"the provided PTX was compiled with an unsupported toolchain\")",
+                      f"update the NVIDIA driver, or use a CUDA toolkit <= {env.driver_cuda}")]
+    return [Check("nvcc", "ok", f"CUDA toolkit {env.nvcc}")]
+
+
+def check_onnxruntime(env: Environment) -> list[Check]:
+    info = env.onnxruntime
+    if info is None:
+        return [Check("ONNX Runtime", "fail", "not installed", "pip install onnxruntime (or onnxruntime-gpu)")]
+    head = f"onnxruntime {info['version']}; providers {', '.join(info['providers'])}"
+    if len(info["distributions"]) > 1:
+        return [Check("ONNX Runtime", "fail", f"{head}: both onnxruntime and onnxruntime-gpu are installed and "
+                      "overwrite each other's files", "pip uninstall -y onnxruntime onnxruntime-gpu && "
+                      "pip install onnxruntime-gpu")]
+    checks = [Check("ONNX Runtime", "ok", head)]
+    if runtime.version_tuple(info["version"]) < runtime.MIN_ORT_FOR_OP_LIBRARY:
+        checks = [Check("ONNX Runtime", "warn", f"{head}: deploykit's op library needs >= 1.21 (bundles fall back "
+                        "to their ONNX functions)", "pip install -U onnxruntime")]
+    if not isinstance(env.gpus, str) and runtime.CUDA_EP not in info["providers"]:
+        checks.append(Check("ONNX Runtime", "warn", f"no {runtime.CUDA_EP}: bundles run on the CPU here",
+                            "pip uninstall -y onnxruntime && pip install onnxruntime-gpu"))
+    return checks
+
+
+def check_tensorrt(env: Environment) -> list[Check]:
+    if not env.tensorrt:
+        return [Check("TensorRT", "skip", "neither TensorRT nor TensorRT-RTX is installed (engines cannot be built or run)",
+                      "pip install tensorrt (GPU machines) or pip install 'deploykit[tensorrt-rtx]'")]
+    checks = []
+    for flavour, version in env.tensorrt.items():
+        label = "TensorRT-RTX" if flavour == "tensorrt-rtx" else "TensorRT"
+        check = Check(label, "ok", f"{label} {version}")
+        if flavour == "tensorrt-rtx":
+            check.detail += f"; runs on compute capability {', '.join(env.rtx_targets or ())}"
+            unsupported = [f"{n} ({cc})" for n, cc in ([] if isinstance(env.gpus, str) else env.gpus)
+                           if cc not in (env.rtx_targets or ())]
+            if unsupported:
+                check = Check(label, "warn", f"{label} {version} does not run on {', '.join(unsupported)} "
+                              "(it refuses Hopper 9.0 and 10.x)", "pip install tensorrt (full TensorRT) for this GPU")
+        checks.append(check)
+    return checks
+
+
+def check_cuda_python(env: Environment) -> list[Check]:
+    if env.cuda_python:
+        return [Check("cuda-python", "ok", f"cuda-bindings {env.cuda_python}: engines run without torch")]
+    return [Check("cuda-python", "skip", "not installed: running engines needs torch for device memory",
+                  "pip install cuda-python")]
+
+
+def check_libraries(env: Environment) -> list[Check]:
+    if not env.libraries:
+        return [Check("deploykit libraries", "skip", "no build in the cache yet (deploykit convert builds them)")]
+    return [Check("deploykit libraries", "ok" if why == "ok" else "fail", f"{name} loads" if why == "ok" else f"{name}: {why}",
+                  "" if why == "ok" else "rebuild: deploykit build-plugins --force, then re-run deploykit convert")
+            for name, why in env.libraries.items()]
+
+
+def check_bundle(bundle: runtime.Bundle, env: Environment) -> list[Check]:
+    checks = [_check_files(bundle)]
+    passed = bundle.passed
+    checks.append(Check("bundle validation", "ok" if passed else "fail",
+                        "passed against PyTorch" if passed else "failed against PyTorch (see report.html)",
+                        "" if passed else "fix the conversion; deploykit run --allow-failed runs it anyway"))
+    recorded = bundle.recorded_version("onnxruntime-gpu", "onnxruntime")
+    if env.onnxruntime and recorded and recorded != env.onnxruntime["version"]:
+        checks.append(Check("bundle versions", "warn", f"validated with onnxruntime {recorded}, this machine has "
+                            f"{env.onnxruntime['version']}: outputs may differ slightly",
+                            f"pip install onnxruntime=={recorded}, or re-run deploykit convert here"))
+    for entry in bundle.engines:
+        installed = (env.tensorrt.get(entry["flavour"]), env.rtx_targets if entry["flavour"] == "tensorrt-rtx" else None)
+        problem = runtime.engine_problem(entry, installed, env.gpus)
+        status = "ok" if not problem else "warn" if isinstance(env.gpus, str) else "fail"  # no GPU: ORT runs it
+        checks.append(Check("bundle engine", status,
+                            f"{entry['file']}: {problem}" if problem else f"{entry['file']} runs on {env.gpus[0][0]}",
+                            _engine_fix(problem) if problem else ""))
+    return checks
+
+
+def _engine_fix(problem: str) -> str:
+    if "need an NVIDIA GPU" in problem:
+        return "run it on a machine with a supported GPU; ONNX Runtime runs the bundle here"
+    return problem.rsplit(": ", 1)[-1] if ": " in problem else problem
+
+
+def _check_files(bundle: runtime.Bundle) -> Check:
+    bad = [f"{name} ({problem})" for name, problem in bundle.file_problems().items()]
+    if bad:
+        return Check("bundle files", "fail", f"changed or missing since conversion: {', '.join(bad)}",
+                     "restore the files or re-run deploykit convert")
+    return Check("bundle files", "ok", f"{len(bundle.manifest.get('files', {}))} files match manifest.json")
+
+
+CHECKS = (check_gpu, check_torch, check_nvcc, check_onnxruntime, check_tensorrt, check_cuda_python, check_libraries)
+
+
+def diagnose(bundle_path: Path | None = None, env: Environment | None = None) -> tuple[list[Check], Environment]:
+    """All checks for this machine (and a bundle); gathers the environment unless given."""
+    bundle = runtime.open_bundle(bundle_path) if bundle_path is not None else None
+    env = env or gather(bundle)
+    checks = [check for function in CHECKS for check in function(env)]
+    if bundle is not None:
+        checks += check_bundle(bundle, env)
+    return checks, env
