@@ -288,6 +288,6 @@ def test_engine_runs_and_the_inspector_shows_our_plugin(plugin_library):
     assert any(inspector.is_plugin_layer(layer) for layer in inspector.inspect_engine(build))
     x = np.random.default_rng(2).standard_normal((3, CHANNELS, 5, 5)).astype(np.float32)
     scale, bias = (numpy_helper.to_array(t).reshape(1, -1, 1, 1) for t in fused_batch_norm_model().graph.initializer)
-    with TensorRTRunner(build.engine, build.requirements(), cast_inputs=True) as runner:
+    with TensorRTRunner.from_build(build) as runner:
         y = runner.run({"x": x})["y"]
     np.testing.assert_allclose(y, np.maximum(x * scale + bias, 0), rtol=1e-5, atol=1e-5)

@@ -72,8 +72,7 @@ def build_tensorrt_stage(
             "nodes: our plugins did not replace every node; run deploykit build-plugins --force"
         )
     problem = engine_problem_here(build.requirements())
-    runner = None if problem else TensorRTRunner(build.engine, build.requirements(), cast_inputs=True,
-                                                 name=build.flavour)
+    runner = None if problem else TensorRTRunner.from_build(build)
     note = f"engine built but not executed: {problem}" if problem else f"validated on {_where(build)}"
     sha = hashlib.sha256(Path(plugin_library).read_bytes()).hexdigest() if plugin_library else None
     targets_text = "_".join("sm" + t.replace(".", "") for t in build.targets)

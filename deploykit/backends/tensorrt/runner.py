@@ -48,6 +48,11 @@ class TensorRTRunner(Runner):
         super().__init__("cuda", inputs or engine_inputs, outputs or engine_outputs, notes=notes, name=name,
                          bundle=bundle)
 
+    @classmethod
+    def from_build(cls, build) -> TensorRTRunner:
+        """Conversion-time validation: a fresh EngineBuild, fed the declared (fp32) inputs."""
+        return cls(build.engine, build.requirements(), cast_inputs=True, name=build.flavour)
+
     def _engine_specs(self) -> tuple[list[dict], list[dict]]:
         """(inputs, outputs) of the engine: name, dtype name, shape (-1 for dynamic sizes)."""
         trt, engine = self.flavour.module, self.engine
