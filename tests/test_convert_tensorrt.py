@@ -13,7 +13,7 @@ import pytest
 from deploykit.native import build as native
 from test_convert_models import convert, custom_op_counts, save_ddp_state_dict
 
-tensorrt = pytest.importorskip("deploykit.backends.tensorrt.builder")
+tensorrt = pytest.importorskip("deploykit.backends.tensorrt.shim")
 try:
     tensorrt.load_tensorrt()
 except Exception as problem:  # noqa: BLE001  (any import failure means: no TensorRT here)

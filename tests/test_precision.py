@@ -349,15 +349,16 @@ def test_small_transformer_passes_reduced_precision(tmp_path, precision):
 @pytest.mark.parametrize("precision, trt_type", [("fp16", "HALF"), ("bf16", "BF16")])
 def test_tensorrt_rtx_builds_a_strongly_typed_engine_with_our_types(precision, trt_type):
     dk_trt = pytest.importorskip("deploykit.backends.tensorrt.builder")
+    shim = pytest.importorskip("deploykit.backends.tensorrt.shim")
     try:
-        flavour = dk_trt.load_tensorrt("tensorrt-rtx")
+        flavour = shim.load_tensorrt("tensorrt-rtx")
     except Exception as problem:  # noqa: BLE001
         pytest.skip(f"TensorRT-RTX is not importable ({problem})")
     typed = apply_precision(attention_like(), precision).model
     trt = flavour.module
-    builder = trt.Builder(dk_trt._logger(flavour))
+    builder = trt.Builder(shim.logger(flavour))
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
-    parser = trt.OnnxParser(network, dk_trt._logger(flavour))
+    parser = trt.OnnxParser(network, shim.logger(flavour))
     assert parser.parse(typed.SerializeToString())
     layers = [network.get_layer(i) for i in range(network.num_layers)]
     types = collections.Counter((layer.type.name, layer.get_output(0).dtype.name) for layer in layers)
@@ -369,9 +370,9 @@ def test_tensorrt_rtx_builds_a_strongly_typed_engine_with_our_types(precision, t
 
 def test_convert_builds_a_typed_engine_with_our_fp16_plugin(tmp_path):
     """--backend tensorrt on the typed graph: our MatMulRelu plugin in fp16, the engine named fp16."""
-    dk_trt = pytest.importorskip("deploykit.backends.tensorrt.builder")
+    shim = pytest.importorskip("deploykit.backends.tensorrt.shim")
     try:
-        dk_trt.load_tensorrt("tensorrt-rtx")
+        shim.load_tensorrt("tensorrt-rtx")
     except Exception as problem:  # noqa: BLE001
         pytest.skip(f"TensorRT-RTX is not importable ({problem})")
     torch.manual_seed(0)

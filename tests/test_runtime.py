@@ -37,9 +37,9 @@ atexit.register(shutil.rmtree, _WORK, ignore_errors=True)
 
 def _has_tensorrt() -> bool:
     try:
-        from deploykit.backends.tensorrt import builder as tensorrt
+        from deploykit.backends.tensorrt import shim
 
-        tensorrt.load_tensorrt()
+        shim.load_tensorrt()
         return True
     except Exception:  # noqa: BLE001 - any failure means no TensorRT here
         return False

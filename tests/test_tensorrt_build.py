@@ -21,11 +21,12 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from deploykit.native import build as native
-from deploykit.backends.tensorrt import builder as dk_trt
+from deploykit.backends.tensorrt import builder as dk_trt, compat, inspector, shim
+from deploykit.backends.tensorrt.runner import TensorRTRunner
 from deploykit.errors import BadInputError, DeployKitError, EnvironmentProblem
 
 try:
-    RTX = dk_trt.load_tensorrt("tensorrt-rtx")
+    RTX = shim.load_tensorrt("tensorrt-rtx")
 except EnvironmentProblem as problem:
     pytest.skip(f"TensorRT-RTX is not importable ({problem})", allow_module_level=True)
 
@@ -234,14 +235,14 @@ def test_from_a_file_with_workspace_and_timing_cache(tmp_path, plugin_library):
 
 
 def test_missing_tensorrt_says_what_to_install(monkeypatch):
-    dk_trt.load_tensorrt.cache_clear()
-    monkeypatch.setattr(dk_trt.importlib.util, "find_spec", lambda name, *args: None)
+    shim.load_tensorrt.cache_clear()
+    monkeypatch.setattr(shim.importlib.util, "find_spec", lambda name, *args: None)
     try:
         with pytest.raises(EnvironmentProblem) as error:
-            dk_trt.load_tensorrt()
+            shim.load_tensorrt()
     finally:
         monkeypatch.undo()
-        dk_trt.load_tensorrt.cache_clear()
+        shim.load_tensorrt.cache_clear()
     assert "pip install tensorrt " in str(error.value)
     assert "pip install tensorrt-rtx-cu13-libs tensorrt-rtx-cu13-bindings" in str(error.value)
 
@@ -250,23 +251,29 @@ def test_unwritable_libs_folder_gives_a_one_line_fix(monkeypatch, tmp_path):
     (tmp_path / "libtensorrt_rtx.so.1").write_bytes(b"")
     spec = importlib.util.spec_from_file_location("tensorrt_rtx_libs", tmp_path / "__init__.py",
                                                   submodule_search_locations=[str(tmp_path)])
-    monkeypatch.setattr(dk_trt.importlib.util, "find_spec", lambda name, *args: spec)
+    monkeypatch.setattr(shim.importlib.util, "find_spec", lambda name, *args: spec)
 
     def refuse(self, target):
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(Path, "symlink_to", refuse)
     with pytest.raises(EnvironmentProblem, match=r"ln -s libtensorrt_rtx\.so\.1 .*libtensorrt_rtx\.so") as error:
-        dk_trt.ensure_rtx_library_link()
+        shim.ensure_rtx_library_link()
     assert "\n" not in str(error.value)
 
 
+def _rtx_problem_here() -> tuple[bool, str]:
+    """(ok, reason) for any TensorRT-RTX engine on this machine."""
+    problem = compat.engine_problem_here({"flavour": "tensorrt-rtx", "version": RTX.version})
+    return problem is None, problem or ""
+
+
 def test_can_run_here_says_why_not():
-    ok, reason = dk_trt.can_run_here(flavour="tensorrt-rtx")
-    gpus = dk_trt.local_gpus()
+    ok, reason = _rtx_problem_here()
+    gpus = shim.local_gpus()
     if isinstance(gpus, str):
         assert not ok and gpus in reason
-    elif gpus[0][1] not in dk_trt.rtx_targets(RTX):
+    elif gpus[0][1] not in shim.rtx_targets(RTX):
         assert not ok and f"compute capability {gpus[0][1]}" in reason
     else:
         assert ok, reason
@@ -274,13 +281,13 @@ def test_can_run_here_says_why_not():
 
 @pytest.mark.gpu
 def test_engine_runs_and_the_inspector_shows_our_plugin(plugin_library):
-    ok, reason = dk_trt.can_run_here(flavour="tensorrt-rtx")
+    ok, reason = _rtx_problem_here()
     if not ok:
         pytest.skip(reason)
     build = _build(fused_batch_norm_model(("relu",)), plugin_library, targets=None)
-    assert any(dk_trt.is_plugin_layer(layer) for layer in dk_trt.inspect_engine(build))
+    assert any(inspector.is_plugin_layer(layer) for layer in inspector.inspect_engine(build))
     x = np.random.default_rng(2).standard_normal((3, CHANNELS, 5, 5)).astype(np.float32)
     scale, bias = (numpy_helper.to_array(t).reshape(1, -1, 1, 1) for t in fused_batch_norm_model().graph.initializer)
-    with dk_trt.TensorRTRunner(build) as runner:
+    with TensorRTRunner.from_build(build) as runner:
         y = runner.run({"x": x})["y"]
     np.testing.assert_allclose(y, np.maximum(x * scale + bias, 0), rtol=1e-5, atol=1e-5)

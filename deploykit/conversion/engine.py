@@ -1,7 +1,7 @@
 """The TensorRT stage of a conversion: build an engine from the optimized graph, with our
 plugins embedded, and run it for validation where this machine can.
 
-Kept apart from api.py because everything here is optional: it runs only for
+Kept apart from the pipeline because everything here is optional: it runs only for
 ``--backend tensorrt`` or ``all``, and imports TensorRT only then.
 """
 
@@ -14,7 +14,10 @@ from pathlib import Path
 import onnx
 
 from deploykit.native import build as native
-from deploykit.backends.tensorrt import builder as tensorrt
+from deploykit.backends.tensorrt.builder import EngineBuild, build_engine
+from deploykit.backends.tensorrt.compat import engine_problem_here
+from deploykit.backends.tensorrt.runner import TensorRTRunner
+from deploykit.backends.tensorrt.shim import load_tensorrt, local_gpus
 from deploykit.errors import EnvironmentProblem
 from deploykit.ops import custom_op_types
 from deploykit.specs import BatchRange, InputSpec
@@ -24,10 +27,10 @@ from deploykit.specs import BatchRange, InputSpec
 class EngineStage:
     """An engine ready for the bundle, its runner (None when it cannot run here) and notes."""
 
-    build: tensorrt.EngineBuild
+    build: EngineBuild
     file_name: str
     plugin_sha256: str | None
-    runner: object | None
+    runner: TensorRTRunner | None
     run_note: str
 
     def to_json(self) -> dict:
@@ -54,7 +57,7 @@ def build_tensorrt_stage(
     precision: str = "fp32",
 ) -> EngineStage:
     plugin_library = _plugin_library(model)
-    build = tensorrt.build_engine(
+    build = build_engine(
         model.SerializeToString(),
         plugin_library=plugin_library,
         batch=(batch.min, batch.opt, batch.max) if batch else None,
@@ -68,16 +71,22 @@ def build_tensorrt_stage(
             f"TensorRT made {len(build.plugin_layers)} plugin layers for {_custom_node_count(model)} deploykit "
             "nodes: our plugins did not replace every node; run deploykit build-plugins --force"
         )
-    can_run, reason = tensorrt.can_run_here(build)
-    runner = tensorrt.TensorRTRunner(build) if can_run else None
-    note = f"validated on {reason}" if can_run else f"engine built but not executed: {reason}"
+    problem = engine_problem_here(build.requirements())
+    runner = None if problem else TensorRTRunner.from_build(build)
+    note = f"engine built but not executed: {problem}" if problem else f"validated on {_where(build)}"
     sha = hashlib.sha256(Path(plugin_library).read_bytes()).hexdigest() if plugin_library else None
     targets_text = "_".join("sm" + t.replace(".", "") for t in build.targets)
     return EngineStage(build, f"model.{precision}.{targets_text}.engine", sha, runner, note)
 
 
+def _where(build: EngineBuild) -> str:
+    """The TensorRT and GPU an engine was validated on, e.g. "TensorRT 10.14.1 on NVIDIA H200 (compute capability 9.0)"."""
+    name, capability = local_gpus()[0]
+    return f"{load_tensorrt(build.flavour).label} on {name} (compute capability {capability})"
+
+
 def build_flavour_key() -> str:
-    flavour = tensorrt.load_tensorrt()
+    flavour = load_tensorrt()
     return f"{flavour.name}-{flavour.version}"
 
 

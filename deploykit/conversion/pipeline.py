@@ -18,7 +18,8 @@ import torch
 
 from deploykit.bundle import write as bundle
 from deploykit.bundle.format import FORMAT, FORMAT_VERSION
-from deploykit.backends.onnxruntime.loader import OnnxRuntimeRunner, OpLibrary, find_op_library
+from deploykit.backends.onnxruntime.loader import OpLibrary, find_op_library
+from deploykit.backends.onnxruntime.runner import OnnxRuntimeRunner
 from deploykit.backends.torch.runner import TorchRunner
 from deploykit.validation.compare import FP32_NOISE_MARGIN, parse_tolerances
 from deploykit.conversion.precision import REFERENCE_MODEL, PrecisionStage
@@ -196,11 +197,11 @@ def _candidates(plain: onnx.ModelProto, optimized: onnx.ModelProto, library: OpL
     if precision is not None:
         candidates.update(precision.candidates(library.path))
     elif library.path is not None:
-        candidates["deploykit graph + op library"] = OnnxRuntimeRunner(optimized, op_library=library.path)
-        candidates["deploykit graph, ONNX functions"] = OnnxRuntimeRunner(optimized)
+        candidates["deploykit graph + op library"] = OnnxRuntimeRunner.from_model(optimized, library.path)
+        candidates["deploykit graph, ONNX functions"] = OnnxRuntimeRunner.from_model(optimized)
     else:
-        candidates["deploykit graph"] = OnnxRuntimeRunner(optimized)
-    candidates[PLAIN_EXPORT] = OnnxRuntimeRunner(plain)
+        candidates["deploykit graph"] = OnnxRuntimeRunner.from_model(optimized)
+    candidates[PLAIN_EXPORT] = OnnxRuntimeRunner.from_model(plain)
     return candidates
 
 
@@ -289,10 +290,9 @@ def _first_onnx_label(candidates: dict) -> str:
 
 
 def _check_signature(runner: OnnxRuntimeRunner, specs: list[InputSpec], output_names: list[str]) -> None:
-    onnx_inputs = [i.name for i in runner.session.get_inputs()]
-    if onnx_inputs != [spec.name for spec in specs] or runner.output_names != output_names:
+    if runner.input_names != [spec.name for spec in specs] or runner.output_names != output_names:
         raise DeployKitError(
-            f"the exported graph's signature ({onnx_inputs} -> {runner.output_names}) differs from "
+            f"the exported graph's signature ({runner.input_names} -> {runner.output_names}) differs from "
             f"the model's ({[s.name for s in specs]} -> {output_names}); please report this"
         )
 

@@ -16,7 +16,7 @@ import onnx
 import onnx_ir as ir
 
 from deploykit.validation.auto_fix import FixProblem, FixResult, auto_fix, is_low, tradeoff
-from deploykit.backends.onnxruntime.loader import OnnxRuntimeRunner
+from deploykit.backends.onnxruntime.runner import OnnxRuntimeRunner
 from deploykit.errors import DeployKitError
 from deploykit.validation.layerwise import run_values
 from deploykit.passes.precision import PrecisionResult, apply_precision, emulate, float_io, name_nodes
@@ -59,7 +59,7 @@ class PrecisionStage:
     def candidates(self, op_library: Path | None) -> dict:
         """The emulation (the verdict: faithful per-node rounding) and, where ORT can, the typed graph."""
         label = f"deploykit graph {self.precision}"
-        emulation = OnnxRuntimeRunner(emulate(self.model), op_library=op_library)
+        emulation = OnnxRuntimeRunner.from_model(emulate(self.model), op_library)
         candidates = {f"{label}, rounding emulated per node": emulation}
         direct, self.execution = typed_runner(self.model, self.precision, op_library)
         if direct is not None:
@@ -98,7 +98,7 @@ def typed_runner(model: onnx.ModelProto, precision: str, op_library: Path | None
     missing = ort_cpu_missing_kernels(model, precision)
     listed = f"no {precision} CPU kernel for {', '.join(missing)}" if missing else ""
     try:
-        runner = OnnxRuntimeRunner(float_io(model), op_library=op_library)
+        runner = OnnxRuntimeRunner.from_model(float_io(model), op_library)
     except DeployKitError as error:
         return None, f"not executed on the CPU: ONNX Runtime has {listed or 'no kernel for it'} ({error})"
     if missing is None:

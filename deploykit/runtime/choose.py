@@ -7,9 +7,12 @@ from pathlib import Path
 
 from deploykit.errors import BadInputError, EnvironmentProblem
 from deploykit.bundle.read import Bundle, check_validation, open_bundle
-from deploykit.backends.onnxruntime.runner import CUDA_EP, OnnxRuntimeBundleRunner
 from deploykit.backends.base.runner import Runner
-from deploykit.backends.tensorrt.runner import TensorRTBundleRunner, engine_problem, installed_tensorrt
+from deploykit.backends.onnxruntime.bundle import load_onnxruntime
+from deploykit.backends.onnxruntime.loader import CUDA_EP
+from deploykit.backends.tensorrt.bundle import load_tensorrt_engine
+from deploykit.backends.tensorrt.compat import engine_problem_here
+from deploykit.backends.tensorrt.shim import local_gpus
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
 
@@ -37,10 +40,8 @@ def choose_backend(bundle: Bundle, backend: str, device: str) -> tuple[str, str,
             if backend == "tensorrt":
                 raise BadInputError(f"{bundle.path} has no TensorRT engine: convert with --backend tensorrt")
         else:
-            from deploykit.backends.tensorrt import builder as tensorrt
-
             entry = bundle.engines[0]
-            problem = engine_problem(entry, installed_tensorrt(entry["flavour"]), tensorrt.local_gpus())
+            problem = engine_problem_here(entry)
             if problem is None:
                 return "tensorrt", "cuda", notes
             if backend == "tensorrt":
@@ -59,9 +60,7 @@ def choose_backend(bundle: Bundle, backend: str, device: str) -> tuple[str, str,
 
 
 def has_gpu() -> bool:
-    from deploykit.backends.tensorrt import builder as tensorrt
-
-    return not isinstance(tensorrt.local_gpus(), str)
+    return not isinstance(local_gpus(), str)
 
 
 def load(bundle: str | Path, backend: str = "auto", device: str = "auto", *, allow_failed: bool = False,
@@ -82,10 +81,10 @@ def load(bundle: str | Path, backend: str = "auto", device: str = "auto", *, all
     if chosen == "tensorrt":
         if options:
             raise BadInputError(f"{', '.join(options)} apply to ONNX Runtime only; this bundle runs its TensorRT engine")
-        runner = TensorRTBundleRunner(opened, opened.engines[0], device_id, verify=verify, notes=notes, **options)
+        runner = load_tensorrt_engine(opened, opened.engines[0], device_id, verify=verify, notes=notes)
     else:
-        runner = OnnxRuntimeBundleRunner(opened, kind, device_id, op_library=op_library, verify=verify,
-                                         notes=notes, **options)
+        runner = load_onnxruntime(opened, kind, device_id, op_library=op_library, verify=verify, notes=notes,
+                                  **options)
     for note in runner.warnings:
         warnings.warn(note, RuntimeWarning, stacklevel=2)
     return runner

@@ -276,8 +276,8 @@ def _ort(bundle, device, tf32: bool, op_library: bool, model: Path | None = None
         return f"onnxruntime has no {runtime.CUDA_EP} (pip install onnxruntime-gpu)"
 
     def setup():
-        runner = runtime.OnnxRuntimeBundleRunner(bundle, device, op_library=op_library, model=model,
-                                                 stream=_bench_stream(device), tf32=tf32)
+        runner = runtime.load_onnxruntime(bundle, device, op_library=op_library, model=model,
+                                          stream=_bench_stream(device), tf32=tf32)
 
         def prepare(feeds: dict) -> Step:
             given = dict(zip(feeds, _torch_feeds(feeds, device))) if device == "cuda" else feeds
@@ -297,7 +297,7 @@ def _ort_cuda_graph(bundle, device, tf32: bool):
 def cuda_graph_step(bundle: runtime.Bundle, tf32: bool, feeds: dict) -> Step:
     """A session per batch size with CUDA graphs on: ORT captures the first run and replays it,
     which needs inputs and outputs at fixed device addresses (IOBinding)."""
-    runner = runtime.OnnxRuntimeBundleRunner(bundle, "cuda", cuda_graph=True, stream=_bench_stream("cuda"), tf32=tf32)
+    runner = runtime.load_onnxruntime(bundle, "cuda", cuda_graph=True, stream=_bench_stream("cuda"), tf32=tf32)
     memory = runtime.TorchMemory(0)
     given = {name: runtime.as_feed(name, memory.to_device(array)) for name, array in feeds.items()}
     binding = runner.session.io_binding()
@@ -322,15 +322,13 @@ def _tensorrt(bundle: runtime.Bundle, device: str):
         return "the bundle has no engine (convert with --backend tensorrt)"
     if device != "cuda":
         return "TensorRT runs on the GPU only"
-    from deploykit.backends.tensorrt import builder as tensorrt
-
     entry = bundle.engines[0]
-    problem = runtime.engine_problem(entry, runtime.installed_tensorrt(entry["flavour"]), tensorrt.local_gpus())
+    problem = runtime.engine_problem_here(entry)
     if problem:
         return problem
 
     def setup():
-        runner = runtime.TensorRTBundleRunner(bundle, entry)
+        runner = runtime.load_tensorrt_engine(bundle, entry)
 
         def prepare(feeds: dict) -> Step:
             given, sync = dict(zip(feeds, _torch_feeds(feeds, "cuda"))), _synchronize("cuda")

@@ -52,9 +52,9 @@ class Environment:
 
 
 def gather(bundle: runtime.Bundle | None = None) -> Environment:
-    from deploykit.backends.tensorrt import builder as tensorrt
+    from deploykit.backends.tensorrt.shim import local_gpus
 
-    env = Environment(gpus=tensorrt.local_gpus(), torch=_torch_facts(), nvcc=_nvcc_version(),
+    env = Environment(gpus=local_gpus(), torch=_torch_facts(), nvcc=_nvcc_version(),
                       onnxruntime=_ort_facts(), cuda_python=_distribution("cuda-bindings", "cuda-python"))
     env.driver, env.driver_cuda = _driver_facts()
     for flavour in ("tensorrt", "tensorrt-rtx"):

@@ -83,8 +83,8 @@ def graph_nodes(model_path: Path) -> dict[str, tuple[str, str]]:
 def profile_onnxruntime(bundle: runtime.Bundle, feeds: dict, settings: Settings) -> dict:
     """Run with ORT's profiler on; keep the node events inside the timed runs (not the warm-up)."""
     with tempfile.TemporaryDirectory(prefix="deploykit-profile-") as work:
-        runner = runtime.OnnxRuntimeBundleRunner(bundle, settings.device, op_library=settings.op_library,
-                                                 profile_prefix=str(Path(work) / "ort"))
+        runner = runtime.load_onnxruntime(bundle, settings.device, op_library=settings.op_library,
+                                          profile_prefix=str(Path(work) / "ort"))
         for _ in range(settings.warmup + settings.iterations):
             runner.run(feeds)
         events = json.loads(Path(runner.end_profiling()).read_text())
@@ -116,7 +116,7 @@ def profile_onnxruntime(bundle: runtime.Bundle, feeds: dict, settings: Settings)
 
 def profile_tensorrt(bundle: runtime.Bundle, feeds: dict, settings: Settings) -> dict:
     """TensorRT's IProfiler: per-layer times of each synchronous run (layers of a run are sequential)."""
-    runner = runtime.TensorRTBundleRunner(bundle, bundle.engines[0])
+    runner = runtime.load_tensorrt_engine(bundle, bundle.engines[0])
     trt = runner.flavour.module
     plugins = {layer["name"] for layer in bundle.engines[0].get("plugin_layer_list", [])}
 
@@ -276,10 +276,7 @@ def _trt_reason(bundle: runtime.Bundle, device: str) -> str:
         return "the bundle has no engine (convert with --backend tensorrt)"
     if device != "cuda":
         return "TensorRT runs on the GPU only"
-    from deploykit.backends.tensorrt import builder as tensorrt
-
-    entry = bundle.engines[0]
-    return runtime.engine_problem(entry, runtime.installed_tensorrt(entry["flavour"]), tensorrt.local_gpus()) or ""
+    return runtime.engine_problem_here(bundle.engines[0]) or ""
 
 
 def render_html(profile: dict, top: int = 20) -> str:

@@ -19,8 +19,8 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 import onnxruntime as ort
 
+from deploykit.backends.onnxruntime import loader
 from deploykit.validation.compare import Tolerance
-from deploykit.errors import DeployKitError
 from deploykit.passes.precision import source_name, type_custom_op_outputs
 
 #: Tensors of these types are exposed and compared.
@@ -51,18 +51,8 @@ def run_values(model: onnx.ModelProto, feeds: dict[str, np.ndarray], op_library:
 
     ``optimize=False`` turns ONNX Runtime's graph rewrites off: the graph's own semantics.
     """
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    if not optimize:
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    if op_library is not None:
-        options.register_custom_ops_library(str(op_library))
-    try:
-        session = ort.InferenceSession(expose_values(model).SerializeToString(), options,
-                                       providers=["CPUExecutionProvider"])
-    except Exception as error:
-        first_line = str(error).splitlines()[0]
-        raise DeployKitError(f"ONNX Runtime {ort.__version__} cannot load the graph: {first_line}") from error
+    options = loader.session_options(op_library=op_library, optimize=optimize)
+    session = loader.create_session(expose_values(model), options, what="the graph")
     inputs = {i.name: i.type for i in session.get_inputs()}
     arrays = session.run(None, {name: _as_input(array, inputs[name]) for name, array in feeds.items()
                                 if name in inputs})

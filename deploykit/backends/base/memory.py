@@ -97,7 +97,10 @@ class TorchMemory:
         return self.torch.empty(tuple(shape), dtype=getattr(self.torch, np.dtype(dtype).name), device=self.device)
 
     def to_device(self, array: np.ndarray):
-        return self.torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+        array = np.ascontiguousarray(array)
+        if array.dtype.name == "bfloat16":  # torch cannot read ml_dtypes' bfloat16: move the bits
+            return self.torch.from_numpy(array.view(np.int16)).to(self.device).view(self.torch.bfloat16)
+        return self.torch.from_numpy(array).to(self.device)
 
     def synchronize(self) -> None:
         self.torch.cuda.current_stream(self.device).synchronize()
@@ -107,6 +110,10 @@ class TorchMemory:
             return tensor if device != "cpu" else tensor.cpu()
         if kind == "device":
             return tensor
+        if tensor.dtype == self.torch.bfloat16:  # numpy has bfloat16 only through ml_dtypes
+            import ml_dtypes
+
+            return tensor.view(self.torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
         return tensor.cpu().numpy()
 
 

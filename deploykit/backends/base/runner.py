@@ -1,26 +1,32 @@
-"""What every runner offers, whichever backend it runs: callers depend on this surface only."""
+"""The contract every runner follows, whichever backend it runs: callers depend on this only.
+
+A runner is made from what a loader opened (an ONNX Runtime session, a TensorRT engine, a
+PyTorch module); its input and output metadata come from there, or from the bundle's manifest
+when a bundle loader passes it (the manifest also knows the batch range).
+"""
 
 from __future__ import annotations
 
-from deploykit.bundle.read import Bundle
-
 
 class Runner:
-    """Common surface: ``run(feeds)`` / ``runner(x=...)`` -> {output name: array}."""
+    """``run(feeds)`` / ``runner(x=...)`` -> {output name: array}; a context manager.
+
+    ``inputs`` and ``outputs`` are specs ({"name", "dtype", "shape"}, optionally "dynamic");
+    ``notes`` say what differs from the conversion, ``warnings`` the notes that ``load`` also
+    issues as warnings. ``bundle`` is the Bundle the runner was loaded from, if any.
+    """
 
     backend = "?"
 
-    def __init__(self, bundle: Bundle, device: str, notes: list[str]):
-        self.bundle, self.device, self.notes = bundle, device, notes
-        self.warnings: list[str] = []  # the notes load() also issues as warnings: what differs from conversion
-        self.inputs, self.outputs = bundle.inputs, bundle.outputs
-        self.input_names = [spec["name"] for spec in self.inputs]
-        self.output_names = [spec["name"] for spec in self.outputs]
-
-    @property
-    def name(self) -> str:
-        """Backend and device, e.g. onnxruntime-cuda:0: how a validation names this runner."""
-        return f"{self.backend}-{self.device}"
+    def __init__(self, device: str, inputs: list[dict], outputs: list[dict], *, notes: list[str] | None = None,
+                 name: str | None = None, bundle=None):
+        self.device, self.bundle = device, bundle
+        self.inputs, self.outputs = inputs, outputs
+        self.input_names = [spec["name"] for spec in inputs]
+        self.output_names = [spec["name"] for spec in outputs]
+        self.notes = list(notes or [])
+        self.warnings: list[str] = []
+        self.name = name or f"{self.backend}-{device}"  # how a validation names this runner
 
     def run(self, feeds=None, /, **named) -> dict:
         raise NotImplementedError
@@ -29,9 +35,11 @@ class Runner:
         return self.run(feeds, **named)
 
     def describe(self) -> dict:
-        return {"bundle": str(self.bundle.path), "backend": self.backend, "device": self.device, "notes": self.notes}
+        bundle = str(self.bundle.path) if self.bundle is not None else None
+        return {"bundle": bundle, "backend": self.backend, "device": self.device, "notes": self.notes}
 
-    def _warn(self, note: str) -> None:
+    def warn(self, note: str) -> None:
+        """A note that ``load`` also issues as a warning."""
         self.notes.append(note)
         self.warnings.append(note)
 

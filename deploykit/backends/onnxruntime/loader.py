@@ -1,16 +1,22 @@
-"""ONNX Runtime loader and runner (CPU here; the CUDA provider where onnxruntime-gpu has it)."""
+"""ONNX Runtime sessions, made in one place: session options (log level, threads, profiling,
+TF32), deploykit's op library, the execution providers, and the InferenceSession itself.
+
+onnxruntime (and onnx) are imported when a session is made: ``deploykit.runtime`` and the CLI
+import this module, and doctor must run where ONNX Runtime is missing.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
-
-import numpy as np
-import onnx
-import onnxruntime as ort
 
 from deploykit.native import build as native
 from deploykit.errors import DeployKitError, EnvironmentProblem
+from deploykit.bundle.read import version_tuple
+
+MIN_ORT_FOR_OP_LIBRARY = (1, 21)  # the op library asks ONNX Runtime for API version 21
+CUDA_EP = "CUDAExecutionProvider"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,31 +36,91 @@ def find_op_library() -> OpLibrary:
     return OpLibrary(path, f"validated with {path.name} (our kernels) and with the ONNX function fallback")
 
 
-class OnnxRuntimeRunner:
-    """An InferenceSession over an in-memory model, fed and read by name."""
+def session_options(*, op_library: Path | None = None, threads: int | None = None,
+                    profile_prefix: str | None = None, tf32: bool = False, optimize: bool = True):
+    """Options with errors-only logging (warnings would flood the progress display).
 
-    def __init__(
-        self,
-        model: onnx.ModelProto,
-        providers: tuple[str, ...] = ("CPUExecutionProvider",),
-        op_library: Path | None = None,
-    ):
-        options = ort.SessionOptions()
-        options.log_severity_level = 3  # errors only: warnings would flood the progress display
-        if op_library is not None:
-            options.register_custom_ops_library(str(op_library))
-        try:
-            self.session = ort.InferenceSession(
-                model.SerializeToString(), options, providers=list(providers)
-            )
-        except Exception as error:
-            raise DeployKitError(
-                f"ONNX Runtime {ort.__version__} cannot load the converted model: "
-                f"{str(error).splitlines()[0]}"
-            ) from error
-        self.name = f"onnxruntime-{providers[0].removesuffix('ExecutionProvider').lower()}"
-        self.output_names = [output.name for output in self.session.get_outputs()]
+    ``tf32`` lets our MatMulRelu kernel use TF32 (the CUDA provider's own switch is in
+    ``providers``); ``optimize=False`` turns ONNX Runtime's graph rewrites off.
+    """
+    import onnxruntime as ort
 
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        outputs = self.session.run(None, feeds)
-        return dict(zip(self.output_names, outputs))
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if threads:
+        options.intra_op_num_threads = threads
+    if profile_prefix:
+        options.enable_profiling, options.profile_file_prefix = True, profile_prefix
+    if not optimize:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if tf32:
+        options.add_session_config_entry("deploykit.allow_tf32", "1")
+    if op_library is not None:
+        register_op_library(options, Path(op_library))
+    return options
+
+
+def register_op_library(options, path: Path) -> None:
+    """Register our kernels in SessionOptions, or say plainly why this ONNX Runtime cannot take them."""
+    import onnxruntime as ort
+
+    if version_tuple(ort.__version__) < MIN_ORT_FOR_OP_LIBRARY:
+        raise EnvironmentProblem(f"{path.name} needs onnxruntime >= 1.21 and this is {ort.__version__}: "
+                                 "pip install -U onnxruntime, or load(..., op_library=False) for the ONNX functions")
+    try:
+        options.register_custom_ops_library(str(path))
+    except Exception as error:  # noqa: BLE001 - ORT raises its own Fail type
+        raise EnvironmentProblem(
+            f"onnxruntime {ort.__version__} cannot load {path.name} ({str(error).splitlines()[0][:200]}): it was "
+            "built for another platform or ORT; re-run deploykit convert here, or pass op_library=False "
+            "(--no-op-library) to run the ONNX function fallbacks") from None
+
+
+def providers(device: str = "cpu", device_id: int = 0, *, tf32: bool = False, cuda_graph: bool = False,
+              stream: int | None = None) -> list:
+    """The CPU provider, behind the CUDA provider (with its options) when ``device`` is cuda."""
+    chosen: list = ["CPUExecutionProvider"]
+    if device != "cuda":
+        return chosen
+    import onnxruntime as ort
+
+    # ORT's CUDA EP rounds fp32 Conv/MatMul to TF32 unless told not to; validation was fp32
+    cuda_options = {"device_id": str(device_id), "use_tf32": "1" if tf32 else "0"}
+    if cuda_graph:
+        cuda_options["enable_cuda_graph"] = "1"
+    if stream is not None:  # run on the caller's stream (a cudaStream_t as an integer)
+        cuda_options["user_compute_stream"] = str(stream)
+    if hasattr(ort, "preload_dlls"):  # cuDNN/cuBLAS from the NVIDIA wheels
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ort.preload_dlls()
+    return [(CUDA_EP, cuda_options), *chosen]
+
+
+def create_session(model, options=None, chosen_providers: list | None = None, *, what: str = "the converted model"):
+    """An InferenceSession over a file (Path: external data works) or an in-memory model
+    (ModelProto or bytes; ``what`` names it in errors). The CUDA provider must be the one that
+    started when it was asked for."""
+    import onnx
+    import onnxruntime as ort
+
+    options = options or session_options()
+    chosen_providers = chosen_providers or providers()
+    if isinstance(model, onnx.ModelProto):
+        model = model.SerializeToString()
+    try:
+        session = ort.InferenceSession(model if isinstance(model, bytes) else str(model), options,
+                                       providers=chosen_providers)
+    except Exception as error:  # noqa: BLE001
+        first_line = str(error).splitlines()[0]
+        if isinstance(model, bytes):
+            raise DeployKitError(f"ONNX Runtime {ort.__version__} cannot load {what}: {first_line}") from error
+        raise DeployKitError(f"onnxruntime {ort.__version__} cannot load {Path(model).name}: {first_line[:300]}") from None
+    if _provider_name(chosen_providers[0]) == CUDA_EP and session.get_providers()[0] != CUDA_EP:
+        raise EnvironmentProblem(f"onnxruntime's {CUDA_EP} did not start (missing CUDA/cuDNN libraries or GPU); "
+                                 "run deploykit doctor")
+    return session
+
+
+def _provider_name(provider) -> str:
+    return provider[0] if isinstance(provider, tuple) else provider

@@ -1,108 +1,47 @@
-"""The ONNX Runtime runner: the fallback that runs every bundle, on the CPU or the CUDA EP,
-with deploykit's op library registered.
+"""The ONNX Runtime runner: one class over a session, for conversion-time validation (an
+in-memory graph, numpy in and out), ``deploykit.load`` (a bundle's graph, numpy, torch or
+CUDA arrays) and bench, profile and debug.
 """
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import numpy as np
 
-from deploykit.errors import DeployKitError, EnvironmentProblem
-from deploykit.bundle.read import Bundle, version_tuple
+from deploykit.backends.onnxruntime import loader
 from deploykit.backends.base.feeds import DeviceArray, Feed, collect_feeds, deliver_host, imported_torch, output_kind
 from deploykit.backends.base.memory import TorchMemory
 from deploykit.backends.base.runner import Runner
 
-MIN_ORT_FOR_OP_LIBRARY = (1, 21)  # the op library asks ONNX Runtime for API version 21
-CUDA_EP = "CUDAExecutionProvider"
 
+class OnnxRuntimeRunner(Runner):
+    """An InferenceSession fed and read by name; CUDA inputs stay on the GPU (IOBinding).
 
-class OnnxRuntimeBundleRunner(Runner):
-    """An ONNX Runtime session over the bundle's graph, with deploykit's op library registered.
-
-    ``op_library=False`` runs the graph's ONNX function fallbacks instead of our kernels;
-    ``model`` swaps in another graph with the same signature (bench's plain export).
+    Specs default to the session's own; a bundle loader passes the manifest's. ``model_path``
+    and ``library`` say what the session was made from (None for in-memory graphs).
     """
 
     backend = "onnxruntime"
 
-    def __init__(self, bundle: Bundle, device: str = "cpu", device_id: int = 0, *, op_library: bool = True,
-                 verify: bool = True, model: Path | None = None, threads: int | None = None,
-                 cuda_graph: bool = False, stream: int | None = None, tf32: bool = False,
-                 profile_prefix: str | None = None, notes: list[str] | None = None):
-        import onnxruntime as ort
+    def __init__(self, session, device: str = "cpu", device_id: int = 0, *, inputs: list[dict] | None = None,
+                 outputs: list[dict] | None = None, model_path: Path | None = None, library: Path | None = None,
+                 notes: list[str] | None = None, bundle=None):
+        super().__init__(device, inputs or session_specs(session.get_inputs()),
+                         outputs or session_specs(session.get_outputs()), notes=notes, bundle=bundle)
+        self.session, self.device_id = session, device_id
+        self.provider = session.get_providers()[0]
+        self.model_path, self.library = model_path, library
 
-        super().__init__(bundle, device, list(notes or []))
-        self.ort, self.device_id = ort, device_id
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        if threads:
-            options.intra_op_num_threads = threads
-        if profile_prefix:
-            options.enable_profiling, options.profile_file_prefix = True, profile_prefix
-        self.library = self._register_library(options, verify) if op_library else None
-        if tf32 and device == "cuda":
-            options.add_session_config_entry("deploykit.allow_tf32", "1")  # our MatMulRelu kernel
-            self.notes.append("TF32 on: fp32 convolutions and matrix products round their inputs to 10 mantissa bits, "
-                              "which the bundle's fp32 validation did not cover")
-        if op_library is False and bundle.op_library:
-            self.notes.append("op library not loaded: deploykit ops run as their ONNX functions")
-        self.model_path = Path(model) if model else bundle.file(bundle.manifest.get("model", "model.onnx"), verify)
-        self.session = self._session(options, cuda_graph, stream, tf32)
-        self.provider = self.session.get_providers()[0]
-        self._check_versions()
-
-    def _register_library(self, options, verify: bool) -> Path | None:
-        entry = self.bundle.op_library
-        if entry is None:
-            return None
-        if version_tuple(self.ort.__version__) < MIN_ORT_FOR_OP_LIBRARY:
-            raise EnvironmentProblem(f"{entry['file']} needs onnxruntime >= 1.21 and this is {self.ort.__version__}: "
-                                     "pip install -U onnxruntime, or load(..., op_library=False) for the ONNX functions")
-        path = self.bundle.file(entry["file"], verify)
-        try:
-            options.register_custom_ops_library(str(path))
-        except Exception as error:  # noqa: BLE001 - ORT raises its own Fail type
-            raise EnvironmentProblem(
-                f"onnxruntime {self.ort.__version__} cannot load {path.name} ({str(error).splitlines()[0][:200]}): it was "
-                "built for another platform or ORT; re-run deploykit convert here, or pass op_library=False "
-                "(--no-op-library) to run the ONNX function fallbacks") from None
-        return path
-
-    def _session(self, options, cuda_graph: bool, stream: int | None, tf32: bool):
-        providers: list = ["CPUExecutionProvider"]
-        if self.device == "cuda":
-            # ORT's CUDA EP rounds fp32 Conv/MatMul to TF32 unless told not to; validation was fp32
-            cuda_options = {"device_id": str(self.device_id), "use_tf32": "1" if tf32 else "0"}
-            if cuda_graph:
-                cuda_options["enable_cuda_graph"] = "1"
-            if stream is not None:  # run on the caller's stream (a cudaStream_t as an integer)
-                cuda_options["user_compute_stream"] = str(stream)
-            providers.insert(0, (CUDA_EP, cuda_options))
-            if hasattr(self.ort, "preload_dlls"):  # cuDNN/cuBLAS from the NVIDIA wheels
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    self.ort.preload_dlls()
-        try:
-            session = self.ort.InferenceSession(str(self.model_path), options, providers=providers)
-        except Exception as error:  # noqa: BLE001
-            raise DeployKitError(f"onnxruntime {self.ort.__version__} cannot load {self.model_path.name}: "
-                                 f"{str(error).splitlines()[0][:300]}") from None
-        if self.device == "cuda" and session.get_providers()[0] != CUDA_EP:
-            raise EnvironmentProblem(f"onnxruntime's {CUDA_EP} did not start (missing CUDA/cuDNN libraries or GPU); "
-                                     "run deploykit doctor")
-        return session
-
-    def _check_versions(self) -> None:
-        recorded = self.bundle.recorded_version("onnxruntime-gpu", "onnxruntime")
-        if recorded and recorded != self.ort.__version__:
-            self._warn(f"validated with onnxruntime {recorded}, running {self.ort.__version__}: "
-                              "outputs may differ slightly")
+    @classmethod
+    def from_model(cls, model, op_library: Path | None = None) -> OnnxRuntimeRunner:
+        """Conversion-time validation: an in-memory graph (ModelProto) on the CPU provider."""
+        session = loader.create_session(model, loader.session_options(op_library=op_library))
+        return cls(session, library=op_library)
 
     def describe(self) -> dict:
-        return {**super().describe(), "provider": self.provider, "model": self.model_path.name,
+        return {**super().describe(), "provider": self.provider,
+                "model": self.model_path.name if self.model_path else None,
                 "op_library": self.library.name if self.library else None}
 
     def run(self, feeds=None, /, **named) -> dict:
@@ -158,7 +97,7 @@ class OnnxRuntimeBundleRunner(Runner):
     def _deliver_ort_value(self, value, kind: str, device: str | None):
         if kind == "numpy":
             return value.numpy()
-        array = DeviceArray(value.data_ptr(), value.shape(), _ort_numpy_dtype(value.data_type()), owner=value)
+        array = DeviceArray(value.data_ptr(), value.shape(), ort_dtype_name(value.data_type()), owner=value)
         if kind == "torch":
             return imported_torch().as_tensor(array, device=device)
         return array
@@ -167,7 +106,13 @@ class OnnxRuntimeBundleRunner(Runner):
         return self.session.end_profiling()
 
 
-def _ort_numpy_dtype(type_text: str) -> np.dtype:
-    names = {"float": "float32", "double": "float64", "float16": "float16", "bool": "bool"}
+def session_specs(metas) -> list[dict]:
+    """Specs of a session's inputs or outputs (NodeArg): name, dtype name, shape (names for symbolic dims)."""
+    return [{"name": meta.name, "dtype": ort_dtype_name(meta.type), "shape": list(meta.shape)} for meta in metas]
+
+
+def ort_dtype_name(type_text: str) -> str:
+    """numpy's name of an ONNX Runtime type: "tensor(float)" -> "float32"."""
+    names = {"float": "float32", "double": "float64"}
     inner = type_text.removeprefix("tensor(").removesuffix(")")
-    return np.dtype(names.get(inner, inner))
+    return names.get(inner, inner)

@@ -1,64 +1,84 @@
-"""The TensorRT runner, and whether a bundle's engine can run here at all: engines run only
-on the TensorRT version and GPUs they were built for.
+"""The TensorRT runner: one class for conversion-time validation (an EngineBuild, numpy in and
+out) and ``deploykit.load`` (a bundle's engine; numpy, torch or CUDA arrays, fed by pointer).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Mapping
+
 import numpy as np
 
 from deploykit.errors import DeployKitError, EnvironmentProblem
-from deploykit.bundle.read import Bundle
 from deploykit.backends.base.feeds import DeviceArray, check_batch_range, collect_feeds, output_kind
 from deploykit.backends.base.memory import device_memory
 from deploykit.backends.base.runner import Runner
+from deploykit.backends.tensorrt import compat
+from deploykit.backends.tensorrt.loader import RuntimeCache, deserialize, execution_context
+from deploykit.backends.tensorrt.shim import load_tensorrt, logger
 
-TRT_PIP = {"tensorrt": "tensorrt=={v}", "tensorrt-rtx": "tensorrt-rtx-cu13-libs=={v} tensorrt-rtx-cu13-bindings=={v}"}
 
+class TensorRTRunner(Runner):
+    """A serialized engine (plugins embedded) on this GPU.
 
-class TensorRTBundleRunner(Runner):
-    """The bundle's TensorRT engine (plugins embedded) on this GPU, fed by device pointer."""
+    ``requirements`` is what the engine needs ("flavour", "version", "targets": a bundle's
+    engine entry or ``EngineBuild.requirements()``); ``what`` names the engine in errors.
+    ``runtime_cache`` (TensorRT-RTX) keeps the kernels RTX compiles on first run across runs.
+    Specs default to the engine's own; a bundle loader passes the manifest's, whose batch
+    range each run is checked against. ``cast_inputs`` casts host feeds to the engine's input
+    types first (conversion feeds the declared types; the engine takes the I/O precision).
+    """
 
     backend = "tensorrt"
 
-    def __init__(self, bundle: Bundle, entry: dict, device_id: int = 0, *, verify: bool = True,
-                 notes: list[str] | None = None):
-        from deploykit.backends.tensorrt import builder as tensorrt
-
-        super().__init__(bundle, "cuda", list(notes or []))
-        problem = engine_problem(entry, installed_tensorrt(entry["flavour"]), tensorrt.local_gpus())
+    def __init__(self, engine: bytes, requirements: Mapping, device_id: int = 0, *, what: str = "the engine",
+                 runtime_cache: Path | None = None, inputs: list[dict] | None = None,
+                 outputs: list[dict] | None = None, cast_inputs: bool = False, notes: list[str] | None = None,
+                 name: str | None = None, bundle=None):
+        problem = compat.engine_problem_here(requirements)
         if problem:
-            raise EnvironmentProblem(f"cannot run {entry['file']} here: {problem}")
-        if not entry.get("validated"):
-            self._warn(f"{entry['file']} was not run at conversion time ({entry.get('note', '')}); "
-                              "its outputs were validated only through ONNX Runtime")
-        self.entry, self.flavour = entry, tensorrt.load_tensorrt(entry["flavour"])
+            raise EnvironmentProblem(f"cannot run {what} here: {problem}")
+        self.what, self.cast_inputs = what, cast_inputs
+        self.flavour = load_tensorrt(requirements["flavour"])
         self.memory = device_memory(device_id)
-        path = bundle.file(entry["file"], verify)
-        self._runtime, self.engine = tensorrt._deserialize(self.flavour, path.read_bytes())
-        self._cache, self._cache_path = None, None
-        self.context = self._create_context(tensorrt, entry)
+        self._runtime, self.engine = deserialize(self.flavour, engine)
+        self.cache = RuntimeCache(runtime_cache) if runtime_cache and self.flavour.is_rtx else None
+        self.context = execution_context(self.flavour, self.engine, self.cache)
+        engine_inputs, engine_outputs = self._engine_specs()
+        super().__init__("cuda", inputs or engine_inputs, outputs or engine_outputs, notes=notes, name=name,
+                         bundle=bundle)
 
-    def _create_context(self, tensorrt, entry: dict):
-        if not self.flavour.is_rtx:
-            return self.engine.create_execution_context()
-        from deploykit.native import build as native  # RTX compiles kernels on first run: keep them across runs
+    @classmethod
+    def from_build(cls, build) -> TensorRTRunner:
+        """Conversion-time validation: a fresh EngineBuild, fed the declared (fp32) inputs."""
+        return cls(build.engine, build.requirements(), cast_inputs=True, name=build.flavour)
 
-        config = self.engine.create_runtime_config()
-        self._cache_path = native.cache_dir() / "runtime-cache" / f"{self.bundle.manifest['files'][entry['file']]['sha256'][:16]}.bin"
-        self._cache = config.create_runtime_cache()
-        if self._cache_path.is_file():
-            self._cache.deserialize(self._cache_path.read_bytes())
-        config.set_runtime_cache(self._cache)
-        return self.engine.create_execution_context(config)
+    def _engine_specs(self) -> tuple[list[dict], list[dict]]:
+        """(inputs, outputs) of the engine: name, dtype name, shape (-1 for dynamic sizes)."""
+        trt, engine = self.flavour.module, self.engine
+        names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        specs = {name: {"name": name, "dtype": self._dtype(name).name, "shape": list(engine.get_tensor_shape(name))}
+                 for name in names}
+        is_input = {name: engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT for name in names}
+        return [specs[n] for n in names if is_input[n]], [specs[n] for n in names if not is_input[n]]
 
     def describe(self) -> dict:
-        return {**super().describe(), "engine": self.entry["file"], "tensorrt": self.flavour.label,
+        return {**super().describe(), "engine": self.what, "tensorrt": self.flavour.label,
                 "memory": self.memory.name}
 
     def _dtype(self, name: str) -> np.dtype:
-        return np.dtype(self.flavour.module.nptype(self.engine.get_tensor_dtype(name)))
+        trt = self.flavour.module
+        dtype = self.engine.get_tensor_dtype(name)
+        if dtype == trt.bfloat16:  # numpy knows bfloat16 only through ml_dtypes
+            import ml_dtypes
+
+            return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(trt.nptype(dtype))
 
     def run(self, feeds=None, /, **named) -> dict:
+        if self.cast_inputs:
+            feeds = {spec["name"]: np.asarray(feeds[spec["name"]]).astype(self._dtype(spec["name"]), copy=False)
+                     for spec in self.inputs}
         given = collect_feeds(feeds, named, self.inputs)
         for spec in self.inputs:
             check_batch_range(given[spec["name"]], spec)
@@ -74,57 +94,17 @@ class TensorRTBundleRunner(Runner):
             outputs[name] = self.memory.empty(tuple(self.context.get_tensor_shape(name)), self._dtype(name))
             self.context.set_tensor_address(name, _pointer(outputs[name]))
         if not self.context.execute_async_v3(self.memory.stream()):
-            from deploykit.backends.tensorrt import builder as tensorrt
-
-            errors, _ = tensorrt._logger(self.flavour).take()
-            raise DeployKitError(f"{self.flavour.label} failed to run {self.entry['file']}: {'; '.join(errors)}")
+            errors, _ = logger(self.flavour).take()
+            raise DeployKitError(f"{self.flavour.label} failed to run {self.what}: {'; '.join(errors)}")
         if kind != "torch":
             self.memory.synchronize()
         return {name: self.memory.deliver(buffer, kind, device) for name, buffer in outputs.items()}
 
     def close(self) -> None:
-        if self._cache is not None:
-            self._cache_path.parent.mkdir(parents=True, exist_ok=True)
-            self._cache_path.write_bytes(bytes(self._cache.serialize()))
+        """Write the runtime cache back (RTX), so the next run skips kernel compilation."""
+        if self.cache is not None:
+            self.cache.save()
 
 
 def _pointer(buffer) -> int:
     return buffer.pointer if isinstance(buffer, DeviceArray) else buffer.data_ptr()
-
-
-def installed_tensorrt(flavour: str) -> tuple[str | None, tuple[str, ...] | None]:
-    """(version, RTX's supported compute capabilities or None) of an installed flavour; (None, None) if absent."""
-    from deploykit.backends.tensorrt import builder as tensorrt
-
-    try:
-        module = tensorrt.load_tensorrt(flavour)
-    except EnvironmentProblem:
-        return None, None
-    return module.version, tensorrt.rtx_targets(module) if module.is_rtx else None
-
-
-def engine_problem(entry: dict, installed: tuple[str | None, tuple[str, ...] | None], gpus) -> str | None:
-    """Why this machine cannot run a bundle's engine (None: it can). Pure, for doctor and tests.
-
-    ``installed`` is ``installed_tensorrt(flavour)``; ``gpus`` is ``tensorrt.local_gpus()``:
-    ((name, "major.minor"), ...) or the reason there is no GPU.
-    """
-    flavour, built = entry["flavour"], entry["version"]
-    label = "TensorRT-RTX" if flavour == "tensorrt-rtx" else "TensorRT"
-    version, rtx_targets = installed
-    install = TRT_PIP[flavour].format(v=built)
-    if version is None:
-        return f"{label} is not installed: pip install {install}"
-    if version != built:
-        return (f"it was built with {label} {built} and this machine has {version}; engines run on the version "
-                f"that built them: pip install {install}, or re-run deploykit convert --backend tensorrt here")
-    if isinstance(gpus, str) or not gpus:
-        return f"{label} engines need an NVIDIA GPU and {gpus or 'there is none'}"
-    name, capability = gpus[0]
-    if rtx_targets is not None and capability not in rtx_targets:
-        return (f"{label} does not run on compute capability {capability} ({name}); it supports "
-                f"{', '.join(rtx_targets)}: install full TensorRT (pip install tensorrt) and convert with it here")
-    if capability not in entry.get("targets", []):
-        return (f"the engine was built for compute capability {', '.join(entry.get('targets', []))} and this "
-                f"{name} is {capability}: convert with --trt-targets {capability}")
-    return None

@@ -9,6 +9,7 @@ import torch
 
 from deploykit.errors import BadInputError
 from deploykit.conversion.loading import LoadedModel
+from deploykit.backends.base.runner import Runner
 
 
 def flatten_outputs(result) -> list[torch.Tensor]:
@@ -29,17 +30,31 @@ def default_output_names(count: int) -> list[str]:
     return ["output"] if count == 1 else [f"output_{i}" for i in range(count)]
 
 
-class TorchRunner:
-    """Runs the loaded model on numpy feeds and names its outputs (float outputs as fp32)."""
+class TorchRunner(Runner):
+    """Runs the loaded model on numpy feeds and names its outputs (float outputs as fp32).
+
+    A module declares neither dtypes nor shapes, so its specs hold names only; the output
+    names are the caller's to set (the exported graph's), else given on the first run.
+    """
+
+    backend = "pytorch"
 
     def __init__(self, loaded: LoadedModel, input_names: list[str], float_type: torch.dtype = torch.float32):
+        exact = float_type == torch.float64
+        super().__init__("cpu", [{"name": name} for name in input_names], [],
+                         name="pytorch-float64" if exact else "pytorch")
         self.loaded = loaded
-        self.input_names = input_names
         self.output_names: list[str] | None = None
         self.float_type = float_type
-        exact = float_type == torch.float64
         self.module = copy.deepcopy(loaded.module).double() if exact else loaded.module
-        self.name = "pytorch-float64" if exact else "pytorch"
+
+    @property
+    def outputs(self) -> list[dict]:
+        return [{"name": name} for name in self.output_names or []]
+
+    @outputs.setter
+    def outputs(self, specs: list[dict]) -> None:
+        self.output_names = [spec["name"] for spec in specs] or None
 
     def in_float64(self) -> TorchRunner:
         """A runner of a float64 copy of the model: the nearly exact result that tells the
@@ -48,7 +63,8 @@ class TorchRunner:
         exact.output_names = self.output_names
         return exact
 
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run(self, feeds: dict[str, np.ndarray] | None = None, /, **named) -> dict[str, np.ndarray]:
+        feeds = {**(feeds or {}), **named}
         args = [self._tensor(feeds[name]) for name in self.input_names]
         with torch.inference_mode():
             tensors = flatten_outputs(self.module(*args))
