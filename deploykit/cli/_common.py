@@ -1,0 +1,152 @@
+"""What every command shares: the console, error handling, the stage printer, option parsing and options.
+
+Light on purpose (click, rich, deploykit.errors): every command module imports it, and
+``deploykit --help`` imports every command module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from deploykit import errors
+
+#: Progress, tables and messages go to stderr; stdout carries only --json output.
+console = Console(stderr=True, highlight=False)
+
+#: An existing bundle directory.
+BUNDLE = click.Path(path_type=Path, exists=True, file_okay=False)
+#: An existing file (.npz inputs, an ONNX graph, a PyTorch model).
+EXISTING_FILE = click.Path(path_type=Path, exists=True, dir_okay=False)
+
+
+# --------------------------------------------------------------------------- errors and output
+
+
+@contextlib.contextmanager
+def handle_errors(verbose: bool):
+    """Turn an exception into one line and its exit code (2, 3 or 4); the traceback only with --verbose."""
+    if not verbose:  # torch's deprecation chatter is noise to a user converting a model
+        warnings.simplefilter("ignore")
+    try:
+        yield
+    except errors.DeployKitError as error:
+        _fail(str(error), error.exit_code, verbose)
+    except KeyboardInterrupt:
+        console.print("[red]interrupted[/]; nothing was written")
+        sys.exit(errors.EXIT_INTERNAL)
+    except Exception as error:  # anything unforeseen is our bug: say so, exit 4
+        hint = "" if verbose else " (run with --verbose for the traceback)"
+        _fail(f"{type(error).__name__}: {error}{hint}; please report it", errors.EXIT_INTERNAL, verbose)
+
+
+def _fail(message: str, code: int, verbose: bool) -> None:
+    if verbose:
+        console.print_exception(show_locals=False)
+    prefix = "internal error" if code == errors.EXIT_INTERNAL else "error"
+    console.print(f"[bold red]{prefix}:[/] {message}", soft_wrap=True)
+    sys.exit(code)
+
+
+def exit_with_verdict(passed: bool) -> None:
+    """Exit 0 when the checks passed, 1 when one failed."""
+    sys.exit(errors.EXIT_OK if passed else errors.EXIT_VALIDATION_FAILED)
+
+
+def echo_json(value) -> None:
+    """What --json prints, on stdout."""
+    click.echo(json.dumps(value, indent=2))
+
+
+def stage_printer(quiet: bool):
+    """A ``stage(title)`` context manager: a spinner while it runs, a timed line when done."""
+
+    @contextlib.contextmanager
+    def stage(title: str):
+        start = time.perf_counter()
+        if quiet:
+            yield
+            return
+        with console.status(f"{title}..."):
+            yield
+        console.print(f"[green]✓[/] {title} [dim]({time.perf_counter() - start:.1f} s)[/]")
+
+    return stage
+
+
+# --------------------------------------------------------------------------- option parsing
+
+
+def parse_with(parser, values, option: str):
+    """``parser`` applied to one value or to each of a tuple; its BadInputError becomes click's usage error."""
+    try:
+        return [parser(v) for v in values] if isinstance(values, tuple) else parser(values)
+    except errors.BadInputError as error:
+        raise click.BadParameter(str(error), param_hint=option) from None
+
+
+def parse_keys(text: str | None, keys, option: str) -> set[str] | None:
+    """A comma-separated choice among ``keys``; None when not given."""
+    if not text:
+        return None
+    chosen = {part.strip() for part in text.split(",") if part.strip()}
+    unknown = chosen - set(keys)
+    if unknown:
+        raise click.BadParameter(f"unknown {', '.join(sorted(unknown))}; choose from {', '.join(keys)}",
+                                 param_hint=option)
+    return chosen
+
+
+# --------------------------------------------------------------------------- shared options
+
+
+def combine(*decorators):
+    """One decorator that applies ``decorators`` in the order listed (the order --help shows)."""
+
+    def apply(function):
+        for decorator in reversed(decorators):
+            function = decorator(function)
+        return function
+
+    return apply
+
+
+def verbose_option(help_text: str = "Show tracebacks."):
+    return click.option("-v", "--verbose", is_flag=True, help=help_text)
+
+
+def json_option(help_text: str):
+    return click.option("--json", "as_json", is_flag=True, help=help_text)
+
+
+def seed_option(help_text: str = "Seed of the random inputs."):
+    return click.option("--seed", type=int, default=0, show_default=True, help=help_text)
+
+
+def inputs_option(help_text: str):
+    """--inputs: an existing .npz of the model's inputs, passed as ``feeds_path``."""
+    return click.option("--inputs", "feeds_path", type=EXISTING_FILE, help=help_text)
+
+
+def allow_failed_option(help_text: str):
+    return click.option("--allow-failed", is_flag=True, help=help_text)
+
+
+#: --factory and --trust-pickle: how the MODEL argument is loaded (convert, validate).
+model_loading_options = combine(
+    click.option("--factory", metavar="PKG.MODULE:FUNCTION",
+                 help="Build the model with this function and load MODEL as its state_dict."),
+    click.option("--trust-pickle", is_flag=True,
+                 help="Allow a pickled nn.Module (unpickling runs code from the file)."),
+)
+
+#: --tolerance, repeatable: convert's validation rules overridden (convert, validate).
+tolerance_option = click.option("--tolerance", "tolerances", multiple=True, metavar="[OUTPUT:]KEY=VALUE,...",
+                                help="Override atol, rtol, min_cosine or min_top1, for all outputs or one.")

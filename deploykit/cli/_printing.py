@@ -1,0 +1,54 @@
+"""What several commands print alike: the validation table, notes and failures, the precision trade-off."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from deploykit.cli._common import console
+
+
+def print_validation_table(candidate: dict) -> None:
+    """Per output and batch: the metrics and the verdict of one validated candidate (convert, validate)."""
+    table = Table(title=f"{candidate['label']} ({candidate['backend']}) vs PyTorch fp32", title_justify="left")
+    for column in ("output", "batch", "max abs", "max rel", "cosine", "top-1", "verdict"):
+        table.add_column(column, justify="left" if column == "output" else "right")
+    for run in candidate["runs"]:
+        for output in run["outputs"]:
+            m = output["metrics"]
+            top1 = m.get("top1_agreement")
+            table.add_row(
+                output["name"], str(run["batch"]),
+                f"{m.get('max_abs', float('nan')):.3g}", f"{m.get('max_rel', float('nan')):.3g}",
+                f"{m.get('cosine', float('nan')):.7f}", "" if top1 is None else f"{top1:.3f}",
+                ("[green]pass*[/]" if output["waived"] else "[green]pass[/]") if output["passed"] else "[red]FAIL[/]",
+            )
+    console.print(table)
+
+
+def print_notes_and_failures(notes: list[str], failures: list[str]) -> None:
+    """Outputs that passed within fp32 rounding (*), then every failed check (✗) (convert, validate)."""
+    for line in notes:
+        console.print(f"[yellow]*[/] {line}", soft_wrap=True)
+    for line in failures:
+        console.print(f"[red]✗[/] {line}", soft_wrap=True)
+
+
+def tradeoff_lines(before: dict, after: dict, tradeoff: dict) -> list[str]:
+    """Each output's error before and after pinning nodes to fp32, and what the pins cost (debug, convert --auto-fix)."""
+    lines = []
+    for name, metrics in after.items():
+        old = before.get(name, {})
+        lines.append(f"Output {name}: {_output_text(old)} → {_output_text(metrics)}")
+    lines.append(f"Trade-off: {tradeoff['fp32_nodes']} of {tradeoff['nodes']} nodes in fp32, "
+                 f"{100 * tradeoff['fp32_share_of_multiply_adds']:.2f}% of the estimated multiply-adds")
+    return lines
+
+
+def _output_text(metrics: dict) -> str:
+    bad = (metrics.get("nan") or 0) + (metrics.get("inf") or 0)
+    text = f"max |d| {_number(metrics.get('max_abs'))}, cosine {_number(metrics.get('cosine'), 7)}"
+    return f"{text}, {bad} Inf/NaN" if bad else text
+
+
+def _number(value, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}g}"

@@ -1,0 +1,59 @@
+"""``deploykit inspect BUNDLE``: parse, call deploykit.bundle.inspect, print. No logic here."""
+
+from __future__ import annotations
+
+import click
+
+from deploykit.cli._common import BUNDLE, console, echo_json, exit_with_verdict, handle_errors, json_option, verbose_option
+
+
+@click.command("inspect")
+@click.argument("bundle", type=BUNDLE)
+@json_option("Print the summary as JSON.")
+@verbose_option()
+def inspect(bundle, as_json, verbose):
+    """Show what BUNDLE holds (inputs, outputs, precision, ops, engines, validation) and check its files.
+
+    Reads manifest.json only: nothing is loaded or run. Exit code 1 when a file is missing or
+    changed since conversion.
+    """
+    from deploykit.bundle.inspect import describe_bundle
+
+    with handle_errors(verbose):
+        info = describe_bundle(bundle)
+    if as_json:
+        echo_json(info)
+    else:
+        _print_info(info)
+    exit_with_verdict(info["files_ok"])
+
+
+def _print_info(info: dict) -> None:
+    from rich.table import Table
+
+    console.print(f"{info['bundle']}: {info['precision']} ONNX (opset {info['opset']}, IR {info['ir_version']}, "
+                  f"{info['exporter']} exporter) from {info['source']}, {info['created']}", soft_wrap=True)
+    table = Table(title="inputs and outputs", title_justify="left")
+    for column in ("", "name", "dtype", "shape"):
+        table.add_column(column)
+    for kind in ("inputs", "outputs"):
+        for tensor in info[kind]:
+            table.add_row(kind[:-1], tensor["name"], tensor["dtype"], tensor["shape"])
+    console.print(table)
+    if info["custom_ops"]:
+        console.print(f"deploykit ops: {', '.join(info['custom_ops'])} (ONNX Runtime library {info['op_library']}; "
+                      "each has an ONNX function fallback)", soft_wrap=True)
+    for engine in info["engines"]:
+        console.print(f"engine: {engine['file']} ({engine['flavour']} {engine['version']}, "
+                      f"targets {', '.join(engine['targets'] or [])})", soft_wrap=True)
+    changed = [f"{name} ({', '.join(f'{k} {v}' for k, v in changes.items())})"
+               for name, changes in info["passes"].items() if changes]
+    console.print(f"passes: {'; '.join(changed) or 'none changed the exported graph'}", soft_wrap=True)
+    validation = info["validation"]
+    worst = ", ".join(f"{name} {value:.3g}" for name, value in validation.get("max_abs", {}).items())
+    console.print(f"validation at conversion: {'passed' if validation.get('passed') else 'FAILED'} on "
+                  f"{validation.get('backend')}, batch sizes {validation.get('batch_sizes')}, max abs {worst}",
+                  soft_wrap=True)
+    for name, entry in info["files"].items():
+        status = "[green]ok[/]" if entry["status"] == "ok" else f"[bold red]{entry['status']}[/]"
+        console.print(f"file {name}: {entry['bytes']} bytes, sha256 {status}")

@@ -1,0 +1,214 @@
+"""``deploykit bench | profile``: time a bundle's backends (whole runs, or layer by layer); parse, call, print.
+
+Both open the bundle, may load its source PyTorch model, and write their results (a JSON file
+and a plot or page) into the bundle or -o. No logic here: deploykit.tools.bench and .profile.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from deploykit.cli._common import (
+    BUNDLE, EXISTING_FILE, allow_failed_option, combine, console, echo_json, handle_errors, json_option,
+    parse_keys, stage_printer, verbose_option,
+)
+
+#: --model, --factory and --trust-pickle: the PyTorch model behind the bundle.
+_source_options = combine(
+    click.option("--model", type=EXISTING_FILE,
+                 help="The source PyTorch model (default: the manifest's source, if the file is here)."),
+    click.option("--factory", metavar="PKG.MODULE:FUNCTION", help="Build the model, then load --model as its state_dict."),
+    click.option("--trust-pickle", is_flag=True, help="Allow a pickled nn.Module as --model."),
+)
+
+_device_option = click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda",
+                              help="Where everything runs.")
+
+
+def _results_options(verb: str, results: str, page: str):
+    """--allow-failed, -o, --json and -v of a command that writes ``results`` and ``page`` (bench, profile)."""
+    return combine(
+        allow_failed_option(f"{verb} a bundle whose validation failed."),
+        click.option("-o", "--output", type=click.Path(path_type=Path, file_okay=False),
+                     help=f"Where {results} and {page} go (default: the bundle)."),
+        json_option(f"Print {results} on stdout."),
+        verbose_option(),
+    )
+
+
+def _open_checked(bundle: Path, allow_failed: bool):
+    """The opened bundle; one whose validation failed is timed only with --allow-failed."""
+    from deploykit import runtime
+
+    opened = runtime.open_bundle(bundle)
+    runtime.check_validation(opened, allow_failed)
+    return opened
+
+
+def _results_folder(output: Path | None, bundle: Path) -> Path:
+    folder = output or bundle
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+# --------------------------------------------------------------------------- bench
+
+
+@click.command("bench")
+@click.argument("bundle", type=BUNDLE)
+@_source_options
+@click.option("--plain-onnx", type=EXISTING_FILE,
+              help="A plain torch.onnx export of the model, to time against deploykit's graph.")
+@click.option("--export-plain", is_flag=True, help="Re-export the source model for the plain-export contender.")
+@click.option("--baseline", "baseline", type=BUNDLE,
+              help="Another bundle of the same model (say the fp32 one) to time in ONNX Runtime in the same run.")
+@click.option("--batch", "batches", metavar="N,N,...", help="Batch sizes (default: the bundle's MIN, OPT, MAX).")
+@_device_option
+@click.option("--only", metavar="KEY,KEY", help="Contenders to run: pytorch, torch-compile, pytorch-fp16, "
+              "torch-compile-fp16 (and -bf16), ort-plain, ort-functions, ort-deploykit, ort-cuda-graph, baseline, "
+              "baseline-cuda-graph, tensorrt (default: all that can run).")
+@click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True, help="Untimed calls first.")
+@click.option("--iterations", type=click.IntRange(min=1), default=100, show_default=True, help="Timed calls.")
+@click.option("--max-seconds", type=click.FloatRange(min=0.1), default=20.0, show_default=True,
+              help="Stop timing one contender and batch size after this long.")
+@click.option("--tf32", is_flag=True, help="Let fp32 convolutions and matrix products use TF32, in ONNX Runtime and "
+              "PyTorch alike (default: exact fp32, as validated).")
+@_results_options("Benchmark", "bench.json", "bench.png")
+def bench(bundle, model, factory, trust_pickle, plain_onnx, export_plain, baseline, batches, device, only, warmup,
+          iterations, max_seconds, tf32, allow_failed, output, as_json, verbose):
+    """Time BUNDLE's backends side by side: latency percentiles and throughput per batch size."""
+    from deploykit import runtime
+    from deploykit.bundle.write import write_json
+    from deploykit.report.bench_plots import bench_png
+    from deploykit.tools import bench as benchmark
+
+    with handle_errors(verbose):
+        opened = _open_checked(bundle, allow_failed)
+        selected = parse_keys(only, benchmark.KEYS, "--only")
+        settings = benchmark.Settings(benchmark.batch_plan(opened, benchmark.parse_batches(batches)),
+                                      benchmark.resolve_device(device), warmup, iterations, max_seconds, tf32=tf32)
+        wants_source = selected is None or any(key.startswith(("pytorch", "torch-compile")) for key in selected) \
+            or export_plain
+        with stage_printer(quiet=as_json)("Loading the backends"):
+            source = (benchmark.load_source(opened, model, factory, trust_pickle) if wants_source
+                      else benchmark.SourceModel(None, "not selected (--only)"))
+            found = benchmark.contenders(opened, settings, source, plain_onnx=plain_onnx,
+                                         export_plain=export_plain, only=selected,
+                                         baseline=runtime.open_bundle(baseline) if baseline else None)
+        result = _with_progress(lambda tick: benchmark.run_benchmark(opened, settings, found, tick),
+                                sum(c.setup is not None for c in found) * (1 + len(settings.batch_sizes)), as_json)
+        folder = _results_folder(output, bundle)
+        write_json(folder / "bench.json", result)
+        (folder / "bench.png").write_bytes(bench_png(result))
+    if as_json:
+        echo_json(result)
+        return
+    _print_bench(result, folder)
+
+
+def _with_progress(work, total: int, quiet: bool):
+    """Run ``work(tick)`` under a rich progress bar; ``tick(text)`` starts the next measurement."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if quiet:
+        return work(lambda text: None)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("benchmarking", total=total)
+        started = [0]
+
+        def tick(text: str) -> None:
+            progress.update(task, description=text, completed=started[0])
+            started[0] += 1
+
+        result = work(tick)
+        progress.update(task, completed=total)
+    return result
+
+
+def _print_bench(result: dict, folder: Path) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{result['bundle']} on {result['device']}", title_justify="left")
+    for column in ("backend", "batch", "p50 ms", "p90 ms", "p99 ms", "mean ms", "cv", "samples/s", "vs best"):
+        table.add_column(column, justify="left" if column == "backend" else "right", no_wrap=column == "backend")
+    for entry in result["contenders"]:
+        for r in entry["results"]:
+            ratio = "[green]best[/]" if r["vs_fastest"] == 1.0 else f"{r['vs_fastest']:.2f}x"
+            table.add_row(entry["key"], str(r["batch"]), f"{r['p50_ms']:.3f}", f"{r['p90_ms']:.3f}",
+                          f"{r['p99_ms']:.3f}", f"{r['mean_ms']:.3f}", f"{r['cv']:.2f}", f"{r['throughput']:.0f}", ratio)
+    console.print(table)
+    for entry in result["contenders"]:
+        if entry["status"] != "ok" and not entry["reason"].startswith("not selected"):
+            colour = "red" if entry["status"] == "failed" else "yellow"
+            console.print(f"[{colour}]{entry['status']}:[/] {entry['key']} ({entry['label']}): {entry['reason']}",
+                          soft_wrap=True)
+    if any(r["cv"] > 0.5 for entry in result["contenders"] for r in entry["results"]):
+        console.print("[yellow]note:[/] some timings vary a lot (cv > 0.5): is other work running on this machine? "
+                      "Use more --iterations or a quieter machine", soft_wrap=True)
+    console.print(f"Timing: {result['timing']}. Results: {folder / 'bench.json'}, plot: {folder / 'bench.png'}")
+
+
+# --------------------------------------------------------------------------- profile
+
+_PROFILED = ("onnxruntime", "tensorrt", "pytorch")
+
+
+@click.command("profile")
+@click.argument("bundle", type=BUNDLE)
+@_source_options
+@click.option("--batch", type=click.IntRange(min=1), help="Batch size (default: the bundle's optimum).")
+@_device_option
+@click.option("--only", metavar="KEY,KEY", help="Backends: onnxruntime, tensorrt, pytorch (default: all that can run).")
+@click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True, help="Unprofiled runs first.")
+@click.option("--iterations", type=click.IntRange(min=1), default=20, show_default=True, help="Profiled runs.")
+@click.option("--top", type=click.IntRange(min=1), default=15, show_default=True, help="Layers shown in tables and charts.")
+@click.option("--no-op-library", is_flag=True, help="Profile deploykit's ops as their ONNX functions.")
+@_results_options("Profile", "profile.json", "profile.html")
+def profile(bundle, model, factory, trust_pickle, batch, device, only, warmup, iterations, top, no_op_library,
+            allow_failed, output, as_json, verbose):
+    """Per-layer time of BUNDLE in ONNX Runtime, TensorRT and PyTorch, as a table and an HTML page."""
+    from deploykit.bundle.write import write_json
+    from deploykit.tools import bench as benchmark
+    from deploykit.tools import profile as profiling
+
+    with handle_errors(verbose):
+        opened = _open_checked(bundle, allow_failed)
+        selected = parse_keys(only, _PROFILED, "--only")
+        settings = profiling.Settings(batch, benchmark.resolve_device(device), warmup, iterations,
+                                      op_library=not no_op_library)
+        source = None
+        if selected is None or "pytorch" in selected:
+            source = benchmark.load_source(opened, model, factory, trust_pickle)
+        result = profiling.run_profile(opened, settings, source, selected, stage_printer(quiet=as_json))
+        folder = _results_folder(output, bundle)
+        write_json(folder / "profile.json", result)
+        (folder / "profile.html").write_text(profiling.render_html(result, top))
+    if as_json:
+        echo_json(result)
+        return
+    _print_profile(result, top, folder)
+
+
+def _print_profile(result: dict, top: int, folder: Path) -> None:
+    from rich.table import Table
+
+    for section in result["sections"]:
+        if section["status"] != "ok":
+            colour = "red" if section["status"] == "failed" else "yellow"
+            console.print(f"[{colour}]{section['status']}:[/] {section['backend']}: {section['reason']}", soft_wrap=True)
+            continue
+        table = Table(title=f"{section['backend']}: {section['per_run_ms']:.3f} ms per run, deploykit ops "
+                            f"{100 * section['custom_share']:.1f}%", title_justify="left")
+        for column in ("layer", "op type", "ms/run", "share"):
+            table.add_column(column, justify="right" if column in ("ms/run", "share") else "left", overflow="fold")
+        for row in section["layers"][:top]:
+            style = "bold red" if row["custom"] else None
+            table.add_row(row["name"], row["op_type"], f"{row['per_run_ms']:.4f}", f"{100 * row['share']:.1f}%",
+                          style=style)
+        console.print(table)
+        types = ", ".join(f"{t['op_type']} {100 * t['share']:.1f}%" for t in section["op_types"][:6])
+        console.print(f"By op type: {types}", soft_wrap=True)
+    console.print(f"Profile: {folder / 'profile.json'}, page: {folder / 'profile.html'}")
