@@ -314,3 +314,11 @@ def test_profile_function_fallback_has_no_custom_ops(tabular, tmp_path):
     assert result.returncode == 0, result.stderr
     (section,) = json.loads(result.stdout)["sections"]
     assert section["custom_share"] == 0 and "inlined ONNX functions" in section["note"]
+
+
+@pytest.mark.parametrize("command", ["bench", "profile"])
+def test_unknown_only_key_is_a_usage_error(tabular, command):
+    """A contender that does not exist is the user's mistake (exit 2, with the choices), not our bug."""
+    result = cli(command, tabular, "--only", "pytorch,nonsense")
+    assert result.returncode == 2, result.stderr
+    assert "unknown nonsense; choose from" in result.stderr and "internal error" not in result.stderr

@@ -84,9 +84,9 @@ def bench(bundle, model, factory, trust_pickle, plain_onnx, export_plain, baseli
     from deploykit.report.bench_plots import bench_png
     from deploykit.tools import bench as benchmark
 
+    selected = parse_keys(only, benchmark.KEYS, "--only")  # click's usage error (exit 2), outside handle_errors
     with handle_errors(verbose):
         opened = _open_checked(bundle, allow_failed)
-        selected = parse_keys(only, benchmark.KEYS, "--only")
         settings = benchmark.Settings(benchmark.batch_plan(opened, benchmark.parse_batches(batches)),
                                       benchmark.resolve_device(device), warmup, iterations, max_seconds, tf32=tf32)
         wants_source = selected is None or any(key.startswith(("pytorch", "torch-compile")) for key in selected) \
@@ -174,9 +174,9 @@ def profile(bundle, model, factory, trust_pickle, batch, device, only, warmup, i
     from deploykit.tools import bench as benchmark
     from deploykit.tools import profile as profiling
 
+    selected = parse_keys(only, _PROFILED, "--only")
     with handle_errors(verbose):
         opened = _open_checked(bundle, allow_failed)
-        selected = parse_keys(only, _PROFILED, "--only")
         settings = profiling.Settings(batch, benchmark.resolve_device(device), warmup, iterations,
                                       op_library=not no_op_library)
         source = None
