@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from deploykit.bundle.write import MANIFEST, check_destination, read_manifest, staged_bundle
+from deploykit.bundle.format import MANIFEST
+from deploykit.bundle.read import read_manifest
+from deploykit.bundle.write import check_destination, staged_bundle
 from deploykit.errors import BadInputError
 
 #: A file and its known sha256 (FIPS 180-2 test vector for b"abc").

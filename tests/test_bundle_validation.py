@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import model_zoo
-from deploykit.bundle.write import sha256_of
+from deploykit.bundle.format import sha256_of
 from deploykit.testing import randomize_batch_norm
 
 TESTS = Path(__file__).parent

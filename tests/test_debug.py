@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -25,6 +26,7 @@ from deploykit.validation.auto_fix import FixProblem, auto_fix, find_culprits
 from deploykit.validation.compare import Tolerance, parse_tolerances
 from deploykit.validation.layerwise import compare_layers, run_values
 from deploykit.passes.precision import apply_precision, emulate, name_nodes
+from deploykit.tools.debug import open_bundle
 from graph_helpers import make_model, tensor
 from test_convert_models import TESTS, convert
 
@@ -161,6 +163,27 @@ def test_debug_layerwise_shows_where_the_error_starts(failing_ln_bundle):
     assert embed["dtype"] == "float16" and not embed["diverged"] and embed["max_abs"] <= 2.0  # one fp16 step at 3000
     table = deploykit_debug(tmp_path, "bundle", "--layerwise")
     assert "First to diverge:" in table.stderr and "LayerNormalization" in table.stderr
+
+
+def test_manifest_records_io_precision_and_debug_reads_it_from_there(tmp_path):
+    """--io-precision fp16 is in the manifest; debug's fix keeps it without report.json, and
+    bundles written before the manifest recorded it fall back to report.json."""
+    result = convert(tmp_path, save(tmp_path, large_activation_norm), *LN_ARGS, "--io-precision", "fp16",
+                     "-o", "bundle")
+    assert result.returncode == 1, result.stderr
+    report, manifest = read(tmp_path / "bundle")
+    assert manifest["io_precision"] == report["precision"]["io_precision"] == "fp16"
+    assert [i["dtype"] for i in manifest["inputs"]] == ["float16"]
+    shutil.copytree(tmp_path / "bundle", tmp_path / "older")
+    (tmp_path / "bundle" / "report.json").unlink()
+    fixed = deploykit_debug(tmp_path, "bundle", "--json", "--save", "fixed.onnx")
+    assert fixed.returncode == 0, fixed.stderr
+    assert json.loads(fixed.stdout)["passed"]
+    graph = onnx.load(tmp_path / "fixed.onnx").graph
+    assert {v.type.tensor_type.elem_type for v in [*graph.input, *graph.output]} == {onnx.TensorProto.FLOAT16}
+    older = tmp_path / "older" / "manifest.json"
+    older.write_text(json.dumps({k: v for k, v in json.loads(older.read_text()).items() if k != "io_precision"}))
+    assert open_bundle(tmp_path / "older").io_precision == "fp16"
 
 
 # --- a sum that overflows fp16 ------------------------------------------------------------------

@@ -26,7 +26,7 @@ import torch
 
 import deploykit
 from deploykit import runtime
-from deploykit.bundle.write import sha256_of
+from deploykit.bundle.format import sha256_of
 from deploykit.errors import BadInputError, EnvironmentProblem, ValidationFailed
 from deploykit.testing import randomize_batch_norm
 

@@ -1,2 +1,3 @@
-"""The bundle on disk: ``format`` (what a manifest holds), ``write`` (atomic writing), ``read``
-(opening and verifying), ``inspect`` (``deploykit inspect``)."""
+"""The bundle on disk: ``format`` (its file names, format tag and version), ``manifest`` (what
+manifest.json holds, built from a conversion), ``write`` (atomic writing), ``read`` (the one way
+to open and verify a bundle), ``inspect`` (``deploykit inspect``)."""

@@ -22,7 +22,7 @@ def describe_bundle(path: Path) -> dict:
         "bundle": str(bundle.path),
         "source": manifest.get("source"),
         "created": manifest.get("created"),
-        "precision": manifest.get("precision", "fp32"),
+        "precision": bundle.precision,
         "exporter": manifest.get("exporter"),
         "opset": manifest.get("opset"),
         "ir_version": manifest.get("ir_version"),

@@ -1,17 +1,16 @@
-"""An opened bundle: its manifest, and its files checked against what deploykit validated.
+"""The one way to open a bundle: its manifest checked, its files checked against what deploykit validated.
 
-Apart from the runners so that doctor and the CLI can inspect a bundle without a backend.
+Apart from the runners so that doctor, inspect and debug can read a bundle without a backend.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
-from deploykit.bundle.format import FORMAT, FORMAT_VERSION
-from deploykit.bundle.write import read_manifest, sha256_of
+from deploykit.bundle.format import FORMAT, FORMAT_VERSION, MANIFEST, MODEL, sha256_of
 from deploykit.errors import BadInputError, EnvironmentProblem, ValidationFailed
-
 
 
 @dataclasses.dataclass
@@ -29,6 +28,15 @@ class Bundle:
     @property
     def outputs(self) -> list[dict]:
         return self.manifest["outputs"]
+
+    @property
+    def model(self) -> str:
+        """File name of the graph that ships."""
+        return self.manifest.get("model", MODEL)
+
+    @property
+    def precision(self) -> str:
+        return self.manifest.get("precision", "fp32")
 
     @property
     def engines(self) -> list[dict]:
@@ -51,7 +59,7 @@ class Bundle:
         path = self.path / name
         entry = self.manifest.get("files", {}).get(name)
         if entry is None:
-            raise BadInputError(f"{name} is not listed in {self.path / 'manifest.json'}: the bundle is damaged; "
+            raise BadInputError(f"{name} is not listed in {self.path / MANIFEST}: the bundle is damaged; "
                                 "re-run deploykit convert")
         if not path.is_file():
             raise BadInputError(f"{path} is missing: the bundle is incomplete; re-run deploykit convert")
@@ -62,7 +70,6 @@ class Bundle:
             self._verified.add(name)
         return path
 
-
     def file_problems(self) -> dict[str, str]:
         """Each listed file that is missing or changed since conversion: name -> what is wrong."""
         problems = {}
@@ -72,6 +79,14 @@ class Bundle:
             except BadInputError as error:
                 problems[name] = "missing" if "missing" in str(error) else "sha256 mismatch"
         return problems
+
+
+def read_manifest(bundle: str | Path) -> dict:
+    """The manifest as written, unchecked: :func:`open_bundle` is what readers of a bundle call."""
+    path = Path(bundle) / MANIFEST
+    if not path.exists():
+        raise BadInputError(f"{bundle} is not a deploykit bundle (no {MANIFEST}); run deploykit convert first")
+    return json.loads(path.read_text())
 
 
 def open_bundle(path: str | Path) -> Bundle:

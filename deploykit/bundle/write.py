@@ -7,16 +7,14 @@ caller passes ``force`` -- and then only once the new one is complete.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from deploykit.bundle.format import MANIFEST, sha256_of
 from deploykit.errors import BadInputError
-
-from deploykit.bundle.format import MANIFEST
 
 
 def check_destination(out_dir: Path, force: bool) -> None:
@@ -27,14 +25,6 @@ def check_destination(out_dir: Path, force: bool) -> None:
         raise BadInputError(f"{out_dir} exists and is not a directory; remove it or choose another -o")
     if not out_dir.parent.exists():
         raise BadInputError(f"{out_dir.parent} does not exist; create it or choose another -o")
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @contextlib.contextmanager
@@ -87,10 +77,3 @@ def _publish(staging: Path, out_dir: Path, force: bool) -> None:
 
 def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-
-
-def read_manifest(bundle: str | Path) -> dict:
-    path = Path(bundle) / MANIFEST
-    if not path.exists():
-        raise BadInputError(f"{bundle} is not a deploykit bundle (no {MANIFEST}); run deploykit convert first")
-    return json.loads(path.read_text())

@@ -1,7 +1,8 @@
 """What the CLI calls and users import: ``convert()`` runs the pipeline stage by stage.
 
 load -> check inputs -> export -> passes -> [precision] -> [op library] -> [TensorRT engine] -> validate
--> [auto-fix] -> report -> bundle (see DESIGN.md).
+-> [auto-fix] -> report -> bundle (see DESIGN.md). ``STEPS`` lists the steps in order, each with the
+condition under which it runs; the state they share is :class:`~deploykit.conversion.state.ConversionState`.
 """
 
 from __future__ import annotations
@@ -10,54 +11,36 @@ import contextlib
 import dataclasses
 import datetime
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import onnx
 import torch
 
-from deploykit.bundle import write as bundle
-from deploykit.bundle.format import FORMAT, FORMAT_VERSION
 from deploykit.backends.onnxruntime.loader import OpLibrary, find_op_library
 from deploykit.backends.onnxruntime.runner import OnnxRuntimeRunner
 from deploykit.backends.torch.runner import TorchRunner
-from deploykit.validation.compare import FP32_NOISE_MARGIN, parse_tolerances
-from deploykit.conversion.precision import REFERENCE_MODEL, PrecisionStage
+from deploykit.bundle import write as bundle
+from deploykit.bundle.format import MODEL, REFERENCE_MODEL, REPORT, REPORT_PAGE
+from deploykit.bundle.manifest import build_manifest
 from deploykit.conversion.engine import build_tensorrt_stage
+from deploykit.conversion.export import check_program_batch, export_onnx
+from deploykit.conversion.loading import LoadedModel, load_model
+from deploykit.conversion.options import ConvertOptions
+from deploykit.conversion.precision import PrecisionStage
+from deploykit.conversion.report import build_report
+from deploykit.conversion.state import ConversionState
 from deploykit.errors import BadInputError, DeployKitError, error_summary
-from deploykit.conversion.export import DEFAULT_OPSET, check_program_batch, export_onnx
-from deploykit.validation.inputs import load_feeds, random_feeds
-from deploykit.conversion.loading import LoadedModel, count_batch_norms, load_model
 from deploykit.ops import custom_op_types
-from deploykit.passes import op_histogram, run_passes
+from deploykit.passes import run_passes
 from deploykit.passes.precision import check_precision
 from deploykit.report import render_html
 from deploykit.specs import BatchRange, InputSpec
+from deploykit.validation.compare import parse_tolerances
+from deploykit.validation.inputs import load_feeds, random_feeds
 from deploykit.validation.validate import CandidateValidation, validate
 from deploykit.versions import tool_versions
-
-
-@dataclasses.dataclass
-class ConvertOptions:
-    model: Path
-    output: Path
-    inputs: list[InputSpec] = dataclasses.field(default_factory=list)
-    custom_ops: bool = True
-    backend: str = "onnxruntime"
-    trt_targets: list[str] | None = None
-    trt_workspace_bytes: int | None = None
-    batch: BatchRange | None = None
-    factory: str | None = None
-    trust_pickle: bool = False
-    exporter: str = "auto"
-    opset: int = DEFAULT_OPSET
-    feeds_path: Path | None = None
-    seed: int = 0
-    tolerances: list[str] = dataclasses.field(default_factory=list)
-    force: bool = False
-    precision: str = "fp32"  # fp16/bf16: docs/precision.md
-    io_precision: str | None = None  # None: inputs and outputs keep their declared types
-    auto_fix: bool = False  # pin the nodes that break reduced-precision validation to fp32
 
 
 @dataclasses.dataclass
@@ -79,108 +62,138 @@ def convert(options: ConvertOptions, stage=_no_stage) -> ConvertResult:
     """Convert, validate and bundle a model. ``stage(title)`` wraps each step (progress display)."""
     bundle.check_destination(Path(options.output).absolute(), options.force)
     check_precision(options.precision, options.io_precision, options.auto_fix)
-    conversion = Conversion(options)
-    for title, step in conversion.steps():
-        with stage(title):
-            step()
-    return ConvertResult(Path(options.output).absolute(), conversion.report, conversion.validations)
+    state = ConversionState(options)
+    for step in STEPS:
+        if step.runs_when(state):
+            with stage(step.title.format(options=options)):
+                step.run(state)
+    return ConvertResult(Path(options.output).absolute(), state.report, state.validations)
 
 
-class Conversion:
-    """One conversion's state, handed from step to step. ``steps()`` yields each step when its
-    turn comes, so a step is chosen by what the earlier ones found (custom ops in the graph, a
-    failed reduced-precision validation)."""
+def _always(_state: ConversionState) -> bool:
+    return True
 
-    def __init__(self, options: ConvertOptions):
-        self.options = options
-        self.precision: PrecisionStage | None = None
-        self.library = OpLibrary(None, "the graph uses no deploykit op")
-        self.engine = None
-        self.report: dict = {}
 
-    def steps(self):
-        options = self.options
-        yield "Loading the model", self.load
-        yield "Running the model in PyTorch", self.run_reference
-        yield "Exporting ONNX", self.export
-        yield "Optimizing the graph", self.optimize
-        if options.precision != "fp32":
-            yield f"Writing {options.precision} into the graph", self.write_precision
-        if custom_op_types(self.optimized):
-            yield "Building deploykit's op library (cached after the first run)", self.find_op_library
-        if options.backend in ("tensorrt", "all"):
-            yield "Building the TensorRT engine", self.build_engine
-        yield "Validating against PyTorch", self.validate
-        # the plain export (last candidate) does not decide whether pinning can help
-        if self.precision is not None and options.auto_fix and not all(v.passed for v in self.validations[:-1]):
-            yield "Pinning the nodes that diverge to fp32 (--auto-fix)", self.auto_fix
-        yield "Writing the bundle", self.write_bundle
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """A step of the pipeline. ``runs_when`` is asked when the step's turn comes, so it sees what
+    the earlier steps found (custom ops in the graph, a failed validation)."""
 
-    def load(self) -> None:
-        options = self.options
-        self.loaded = load_model(options.model, options.factory, options.trust_pickle)
-        if self.loaded.program is not None:
-            check_program_batch(self.loaded.program, options.batch)
-        self.specs = resolve_input_specs(self.loaded, options.inputs, options.batch)
+    title: str  # shown as progress; ``{options.NAME}`` is filled in from the ConvertOptions
+    run: Callable[[ConversionState], None]
+    runs_when: Callable[[ConversionState], bool] = _always
 
-    def run_reference(self) -> None:
-        self.reference = TorchRunner(self.loaded, [spec.name for spec in self.specs])
-        self.example = _example_inputs(self.specs, self.options.batch)
-        _probe(self.reference, self.example, self.specs)
 
-    def export(self) -> None:
-        options = self.options
-        self.exported = export_onnx(self.loaded, {k: torch.from_numpy(v) for k, v in self.example.items()},
-                                    self.reference.output_names, options.batch, options.opset, options.exporter)
+def _load(state: ConversionState) -> None:
+    options = state.options
+    state.loaded = load_model(options.model, options.factory, options.trust_pickle)
+    if state.loaded.program is not None:
+        check_program_batch(state.loaded.program, options.batch)
+    state.specs = resolve_input_specs(state.loaded, options.inputs, options.batch)
 
-    def optimize(self) -> None:
-        self.optimized, self.pass_stats = run_passes(self.exported.model, custom_ops=self.options.custom_ops)
 
-    def write_precision(self) -> None:
-        options = self.options
-        self.precision = PrecisionStage.start(self.optimized, options.precision, options.io_precision, self.example)
-        self.optimized = self.precision.model
-        self.pass_stats.append(self.precision.result.stats)
+def _run_reference(state: ConversionState) -> None:
+    state.reference = TorchRunner(state.loaded, [spec.name for spec in state.specs])
+    state.example = _example_inputs(state.specs, state.options.batch)
+    _probe(state.reference, state.example, state.specs)
 
-    def find_op_library(self) -> None:
-        self.library = find_op_library()
 
-    def build_engine(self) -> None:
-        options = self.options
-        self.engine = build_tensorrt_stage(self.optimized, self.specs, options.batch, options.trt_targets,
-                                           options.trt_workspace_bytes, options.precision)
+def _export(state: ConversionState) -> None:
+    options = state.options
+    example = {name: torch.from_numpy(array) for name, array in state.example.items()}
+    state.exported = export_onnx(state.loaded, example, state.reference.output_names, options.batch,
+                                 options.opset, options.exporter)
 
-    def validate(self) -> None:
-        self.feed_sets = _validation_feeds(self.specs, self.options)
-        self.tolerances = parse_tolerances(self.options.tolerances, self.options.precision,
-                                           self.reference.output_names)
-        candidates = _candidates(self.exported.model, self.optimized, self.library, self.engine, self.precision)
-        _check_signature(candidates[_first_onnx_label(candidates)], self.specs, self.reference.output_names)
-        self.validations = validate(self.reference, candidates, self.feed_sets, self.tolerances, PLAIN_EXPORT)
 
-    def auto_fix(self) -> None:
-        self.optimized = self.precision.auto_fix(self.reference, self.feed_sets, self.validations[0], self.tolerances,
-                                                 self.library.path)
-        self.pass_stats[-1] = self.precision.result.stats
-        if self.engine is not None:
-            self.build_engine()
-        candidates = _candidates(self.exported.model, self.optimized, self.library, self.engine, self.precision)
-        self.validations = validate(self.reference, candidates, self.feed_sets, self.tolerances, PLAIN_EXPORT)
+def _optimize(state: ConversionState) -> None:
+    state.optimized, state.pass_stats = run_passes(state.exported.model, custom_ops=state.options.custom_ops)
 
-    def write_bundle(self) -> None:
-        self.report = build_report(self.options, self.loaded, self.specs, self.exported, self.optimized,
-                                   self.pass_stats, self.validations, self.library, self.engine, self.precision)
-        with bundle.staged_bundle(self.options.output, self.options.force) as (staging, manifest):
-            onnx.save_model(self.optimized, staging / "model.onnx")
-            if self.precision is not None:
-                onnx.save_model(self.precision.fp32, staging / REFERENCE_MODEL)
-            if self.library.path is not None:
-                shutil.copy2(self.library.path, staging / self.library.path.name)
-            if self.engine is not None:
-                (staging / self.engine.file_name).write_bytes(self.engine.build.engine)
-            bundle.write_json(staging / "report.json", self.report)
-            (staging / "report.html").write_text(render_html(self.report, self.validations))
-            manifest.update(build_manifest(self.report, self.optimized))
+
+def _write_precision(state: ConversionState) -> None:
+    options = state.options
+    state.precision = PrecisionStage.start(state.optimized, options.precision, options.io_precision, state.example)
+    state.typed = state.precision.model
+
+
+def _find_op_library(state: ConversionState) -> None:
+    state.library = find_op_library()
+
+
+def _build_engine(state: ConversionState) -> None:
+    options = state.options
+    state.engine = build_tensorrt_stage(state.shipped_graph, state.specs, options.batch, options.trt_targets,
+                                        options.trt_workspace_bytes, options.precision)
+
+
+def _validate(state: ConversionState) -> None:
+    state.feed_sets = _validation_feeds(state.specs, state.options)
+    state.tolerances = parse_tolerances(state.options.tolerances, state.options.precision,
+                                        state.reference.output_names)
+    candidates = _shipped_candidates(state)
+    _check_signature(candidates[_first_onnx_label(candidates)], state.specs, state.reference.output_names)
+    state.validations = validate(state.reference, candidates, state.feed_sets, state.tolerances, PLAIN_EXPORT)
+
+
+def _auto_fix(state: ConversionState) -> None:
+    state.fixed = state.precision.auto_fix(state.reference, state.feed_sets, state.validations[0],
+                                           state.tolerances, state.library.path)
+    if state.engine is not None:
+        _build_engine(state)
+    state.validations = validate(state.reference, _shipped_candidates(state), state.feed_sets, state.tolerances,
+                                 PLAIN_EXPORT)
+
+
+def _write_bundle(state: ConversionState) -> None:
+    state.created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    state.versions = tool_versions()
+    state.report = build_report(state)
+    with bundle.staged_bundle(state.options.output, state.options.force) as (staging, manifest):
+        onnx.save_model(state.shipped_graph, staging / MODEL)
+        if state.precision is not None:
+            onnx.save_model(state.precision.fp32, staging / REFERENCE_MODEL)
+        if state.library.path is not None:
+            shutil.copy2(state.library.path, staging / state.library.path.name)
+        if state.engine is not None:
+            (staging / state.engine.file_name).write_bytes(state.engine.build.engine)
+        bundle.write_json(staging / REPORT, state.report)
+        (staging / REPORT_PAGE).write_text(render_html(state.report, state.validations))
+        manifest.update(build_manifest(state))
+
+
+def _reduced_precision(state: ConversionState) -> bool:
+    return state.options.precision != "fp32"
+
+
+def _uses_deploykit_ops(state: ConversionState) -> bool:
+    return bool(custom_op_types(state.shipped_graph))
+
+
+def _tensorrt_requested(state: ConversionState) -> bool:
+    return state.options.backend in ("tensorrt", "all")
+
+
+def _auto_fix_can_help(state: ConversionState) -> bool:
+    """--auto-fix on a reduced-precision graph that failed; the plain export does not decide it."""
+    return state.precision is not None and state.options.auto_fix and not state.passed
+
+
+#: What runs, in order, and when. The titles are the CLI's progress lines.
+STEPS = (
+    Step("Loading the model", _load),
+    Step("Running the model in PyTorch", _run_reference),
+    Step("Exporting ONNX", _export),
+    Step("Optimizing the graph", _optimize),
+    Step("Writing {options.precision} into the graph", _write_precision, _reduced_precision),
+    Step("Building deploykit's op library (cached after the first run)", _find_op_library, _uses_deploykit_ops),
+    Step("Building the TensorRT engine", _build_engine, _tensorrt_requested),
+    Step("Validating against PyTorch", _validate),
+    Step("Pinning the nodes that diverge to fp32 (--auto-fix)", _auto_fix, _auto_fix_can_help),
+    Step("Writing the bundle", _write_bundle),
+)
+
+
+def _shipped_candidates(state: ConversionState) -> dict:
+    return _candidates(state.exported.model, state.shipped_graph, state.library, state.engine, state.precision)
 
 
 #: The exporter's graph before any pass: tells where a failure comes from, and is a second fp32
@@ -295,126 +308,3 @@ def _check_signature(runner: OnnxRuntimeRunner, specs: list[InputSpec], output_n
             f"the exported graph's signature ({runner.input_names} -> {runner.output_names}) differs from "
             f"the model's ({[s.name for s in specs]} -> {output_names}); please report this"
         )
-
-
-def _value_info(value: onnx.ValueInfoProto) -> dict:
-    tensor = value.type.tensor_type
-    return {
-        "name": value.name,
-        "dtype": onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name,
-        "shape": [d.dim_param or d.dim_value for d in tensor.shape.dim],
-    }
-
-
-def _shape_text(spec: InputSpec, batch: BatchRange | None) -> str:
-    dims = ["N", *map(str, spec.shape[1:])] if batch else list(map(str, spec.shape))
-    return "x".join(dims)
-
-
-def _batch_norm_count(model: onnx.ModelProto) -> int:
-    return sum(node.op_type == "BatchNormalization" for node in model.graph.node)
-
-
-def build_report(options, loaded, specs, exported, optimized, pass_stats, validations, library, engine=None,
-                 precision: PrecisionStage | None = None) -> dict:
-    # Everything the bundle ships must pass; the plain export only tells where a failure came from.
-    shipped, plain = validations[:-1], validations[-1]
-    final = shipped[0]
-    passed = all(v.passed for v in shipped)
-    failures = [line for v in shipped for line in v.failures()]
-    failed_checks = len(failures)
-    if failures:
-        failures.append(
-            "the plain export fails as well, so the exporter (not deploykit's passes) lost accuracy"
-            if not plain.passed else
-            f"the fp32 export passes, so {options.precision} lost the accuracy: deploykit debug BUNDLE names the "
-            "nodes, convert --auto-fix pins them to fp32" if precision is not None else
-            "the plain export passes, so a deploykit pass changed the results: please report this"
-        )
-    rounding = final.rounding_notes()
-    worst = max((o.metrics.get("max_abs", float("inf")) for r in final.runs for o in r.outputs), default=0.0)
-    batch_sizes = [run.batch for run in final.runs]
-    sizes = ", ".join(map(str, batch_sizes))
-    verdict = "pass" if passed else "fail"
-    before, after = op_histogram(exported.model), op_histogram(optimized)
-    return {
-        "verdict": verdict,
-        "summary": (
-            f"{final.label} in {final.backend} matches PyTorch on batch sizes {sizes} "
-            f"(worst max abs error {worst:.3g}{', within fp32 rounding' if rounding else ''})" if passed
-            else f"{failed_checks} check(s) failed on batch sizes {sizes}"
-        ),
-        "failures": failures,
-        "notes": rounding,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": {
-            "source": str(options.model),
-            "kind": loaded.kind,
-            "inputs": [{"name": s.name, "dtype": s.dtype, "shape": _shape_text(s, options.batch)} for s in specs],
-            "batch": options.batch.to_json() if options.batch else None,
-        },
-        "export": {"exporter": exported.exporter, "opset": exported.opset},
-        "engines": [engine.to_json()] if engine else [],
-        "custom_ops": {
-            "ops": custom_op_types(optimized),
-            "library": library.path.name if library.path else None,
-            "note": library.note,
-        },
-        "passes": [s.to_json() for s in pass_stats],
-        "precision": precision.to_json() if precision is not None else {"precision": "fp32"},
-        "graph": {
-            "nodes_before": len(exported.model.graph.node),
-            "nodes_after": len(optimized.graph.node),
-            "batch_norm_in_model": count_batch_norms(loaded),
-            "batch_norm_before": _batch_norm_count(exported.model),
-            "batch_norm_after": _batch_norm_count(optimized),
-            "ops": [{"name": op, "before": before.get(op, 0), "after": after.get(op, 0)}
-                    for op in sorted(set(before) | set(after))],
-        },
-        "validation": {
-            "reference": "pytorch-fp32-cpu",
-            "fp32_noise_margin": FP32_NOISE_MARGIN,
-            "inputs": str(options.feeds_path) if options.feeds_path else f"seeded random (seed {options.seed})",
-            "batch_sizes": batch_sizes,
-            "passed": passed,
-            "candidates": [v.to_json() for v in validations],
-        },
-        "versions": tool_versions(),
-    }
-
-
-def build_manifest(report: dict, model: onnx.ModelProto) -> dict:
-    batch = report["model"]["batch"]
-    inputs = [_value_info(value) for value in model.graph.input]
-    for entry in inputs:
-        if batch:
-            entry["dynamic"] = {"0": batch}
-    final = report["validation"]["candidates"][0]
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "created": report["created"],
-        "source": report["model"]["source"],
-        "model": "model.onnx",
-        "precision": report["precision"]["precision"],
-        "reference_model": report["precision"].get("reference_model"),
-        "opset": next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")),
-                      report["export"]["opset"]),  # bf16 graphs move to opset 22
-        "ir_version": model.ir_version,
-        "exporter": report["export"]["exporter"],
-        "inputs": inputs,
-        "outputs": [_value_info(value) for value in model.graph.output],
-        "passes": report["passes"],
-        "engines": report["engines"],
-        "custom_op_libraries": [
-            {"file": report["custom_ops"]["library"], "runtime": "onnxruntime", "register": "RegisterCustomOps",
-             "ops": report["custom_ops"]["ops"]}
-        ] if report["custom_ops"]["library"] else [],
-        "versions": report["versions"],
-        "validation": {
-            "passed": report["validation"]["passed"],
-            "backend": final["backend"],
-            "batch_sizes": report["validation"]["batch_sizes"],
-            "max_abs": {o["name"]: o["metrics"].get("max_abs") for o in final["runs"][-1]["outputs"]},
-        },
-    }

@@ -15,14 +15,12 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from deploykit.bundle.format import REFERENCE_MODEL
 from deploykit.validation.auto_fix import FixProblem, FixResult, auto_fix, is_low, tradeoff
 from deploykit.backends.onnxruntime.runner import OnnxRuntimeRunner
 from deploykit.errors import DeployKitError
 from deploykit.validation.layerwise import run_values
 from deploykit.passes.precision import PrecisionResult, apply_precision, emulate, float_io, name_nodes
-
-#: The fp32 graph a reduced-precision bundle was typed from: the reference of ``deploykit debug``.
-REFERENCE_MODEL = "model.fp32.onnx"
 
 
 @dataclasses.dataclass

@@ -15,14 +15,15 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from deploykit.bundle import read
+from deploykit.bundle.format import REFERENCE_MODEL, REPORT
+from deploykit.errors import BadInputError
+from deploykit.passes.precision import FLOAT, emulate
+from deploykit.specs import InputSpec
 from deploykit.validation.auto_fix import FixProblem, FixResult, auto_fix
 from deploykit.validation.compare import Tolerance
-from deploykit.errors import BadInputError
 from deploykit.validation.inputs import load_feeds, random_feeds
 from deploykit.validation.layerwise import LayerDiff, compare_layers, run_values
-from deploykit.passes.precision import FLOAT, emulate
-from deploykit.conversion.precision import REFERENCE_MODEL
-from deploykit.specs import InputSpec
 
 
 @dataclasses.dataclass
@@ -39,20 +40,27 @@ class BundleGraphs:
 
 
 def open_bundle(path: Path) -> BundleGraphs:
-    manifest_path = Path(path) / "manifest.json"
-    if not manifest_path.is_file():
-        raise BadInputError(f"{path} is not a deploykit bundle (no manifest.json); pass the -o directory of convert")
-    manifest = json.loads(manifest_path.read_text())
-    reference_path = Path(path) / (manifest.get("reference_model") or REFERENCE_MODEL)
-    libraries = [Path(path) / entry["file"] for entry in manifest.get("custom_op_libraries", [])]
-    report_path = Path(path) / "report.json"
-    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    """The bundle's graphs and op library, as they are now: debug examines files whatever their
+    sha256 (a graph may have been edited since conversion), so they are not verified."""
+    bundle = read.open_bundle(path)
+    reference = _file_if_present(bundle, bundle.manifest.get("reference_model") or REFERENCE_MODEL)
+    library = _file_if_present(bundle, bundle.op_library["file"]) if bundle.op_library else None
     return BundleGraphs(
-        Path(path), manifest, onnx.load(Path(path) / manifest.get("model", "model.onnx")),
-        onnx.load(reference_path) if reference_path.is_file() else None,
-        next((lib for lib in libraries if lib.is_file()), None),
-        manifest.get("precision", "fp32"), report.get("precision", {}).get("io_precision"),
+        bundle.path, bundle.manifest, onnx.load(bundle.file(bundle.model, verify=False)),
+        onnx.load(reference) if reference else None, library, bundle.precision, _io_precision(bundle),
     )
+
+
+def _file_if_present(bundle: read.Bundle, name: str) -> Path | None:
+    return bundle.file(name, verify=False) if (bundle.path / name).is_file() else None
+
+
+def _io_precision(bundle: read.Bundle) -> str | None:
+    """From the manifest; bundles written before it recorded io_precision have it in report.json only."""
+    if "io_precision" in bundle.manifest:
+        return bundle.manifest["io_precision"]
+    report = _file_if_present(bundle, REPORT)
+    return json.loads(report.read_text()).get("precision", {}).get("io_precision") if report else None
 
 
 def bundle_feeds(bundle: BundleGraphs, feeds_path: Path | None, seed: int, batch: int | None) -> dict:

@@ -1,0 +1,70 @@
+"""manifest.json: what a runtime needs to run a bundle, built from the conversion's state.
+
+Readers (:mod:`deploykit.bundle.read`) rely on these keys; ``staged_bundle`` adds ``files``.
+``io_precision`` is None where the inputs and outputs keep their declared types.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import onnx
+
+from deploykit.bundle.format import FORMAT, FORMAT_VERSION, MODEL, REFERENCE_MODEL
+from deploykit.ops import custom_op_types
+
+if TYPE_CHECKING:
+    from deploykit.conversion.state import ConversionState
+
+
+def build_manifest(state: ConversionState) -> dict:
+    options, model, precision = state.options, state.shipped_graph, state.precision
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "created": state.created,
+        "source": str(options.model),
+        "model": MODEL,
+        "precision": options.precision,
+        "io_precision": precision.io_precision if precision is not None else None,
+        "reference_model": REFERENCE_MODEL if precision is not None else None,
+        "opset": next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")),
+                      state.exported.opset),  # bf16 graphs move to opset 22
+        "ir_version": model.ir_version,
+        "exporter": state.exported.exporter,
+        "inputs": [_tensor(value, options.batch.to_json() if options.batch else None)
+                   for value in model.graph.input],
+        "outputs": [_tensor(value) for value in model.graph.output],
+        "passes": [s.to_json() for s in state.shipped_pass_stats],
+        "engines": [state.engine.to_json()] if state.engine else [],
+        "custom_op_libraries": [
+            {"file": state.library.path.name, "runtime": "onnxruntime", "register": "RegisterCustomOps",
+             "ops": custom_op_types(model)}
+        ] if state.library.path else [],
+        "versions": state.versions,
+        "validation": _validation(state),
+    }
+
+
+def _tensor(value: onnx.ValueInfoProto, batch: dict | None = None) -> dict:
+    """Name, dtype and shape of a graph input or output; inputs say their dynamic batch range."""
+    tensor = value.type.tensor_type
+    entry = {
+        "name": value.name,
+        "dtype": onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name,
+        "shape": [d.dim_param or d.dim_value for d in tensor.shape.dim],
+    }
+    if batch:
+        entry["dynamic"] = {"0": batch}
+    return entry
+
+
+def _validation(state: ConversionState) -> dict:
+    """The verdict, and the errors of the bundle as it runs at the last batch size validated."""
+    final = state.validations[0]
+    return {
+        "passed": state.passed,
+        "backend": final.backend,
+        "batch_sizes": state.batch_sizes,
+        "max_abs": {o.name: o.metrics.get("max_abs") for o in final.runs[-1].outputs},
+    }

@@ -1,0 +1,32 @@
+"""What the user asks ``convert()`` for: the CLI's flags, one field each."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from deploykit.conversion.export import DEFAULT_OPSET
+from deploykit.specs import BatchRange, InputSpec
+
+
+@dataclasses.dataclass
+class ConvertOptions:
+    model: Path
+    output: Path
+    inputs: list[InputSpec] = dataclasses.field(default_factory=list)
+    custom_ops: bool = True
+    backend: str = "onnxruntime"
+    trt_targets: list[str] | None = None
+    trt_workspace_bytes: int | None = None
+    batch: BatchRange | None = None
+    factory: str | None = None
+    trust_pickle: bool = False
+    exporter: str = "auto"
+    opset: int = DEFAULT_OPSET
+    feeds_path: Path | None = None
+    seed: int = 0
+    tolerances: list[str] = dataclasses.field(default_factory=list)
+    force: bool = False
+    precision: str = "fp32"  # fp16/bf16: docs/precision.md
+    io_precision: str | None = None  # None: inputs and outputs keep their declared types
+    auto_fix: bool = False  # pin the nodes that break reduced-precision validation to fp32

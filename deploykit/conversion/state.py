@@ -1,0 +1,87 @@
+"""One conversion's state: what each step of the pipeline produced, every field declared here.
+
+Each step (see ``STEPS`` in :mod:`deploykit.conversion.pipeline`) fills its own fields; a field
+is None until its step has run, or stays None when its step does not run. Each stage's graph
+keeps its own name, and :attr:`ConversionState.shipped_graph` is the one the bundle ships.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+
+from deploykit.backends.onnxruntime.loader import OpLibrary
+from deploykit.backends.torch.runner import TorchRunner
+from deploykit.conversion.engine import EngineStage
+from deploykit.conversion.export import ExportResult
+from deploykit.conversion.loading import LoadedModel
+from deploykit.conversion.options import ConvertOptions
+from deploykit.conversion.precision import PrecisionStage
+from deploykit.passes.base import PassStats
+from deploykit.specs import InputSpec
+from deploykit.validation.compare import Tolerance
+from deploykit.validation.validate import CandidateValidation
+
+
+@dataclasses.dataclass
+class ConversionState:
+    options: ConvertOptions
+    # "Loading the model"
+    loaded: LoadedModel | None = None
+    specs: list[InputSpec] = dataclasses.field(default_factory=list)  # in the model's argument order
+    # "Running the model in PyTorch"
+    reference: TorchRunner | None = None
+    example: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # the export's inputs
+    # "Exporting ONNX": exported.model is the plain export
+    exported: ExportResult | None = None
+    # "Optimizing the graph"
+    optimized: onnx.ModelProto | None = None
+    pass_stats: list[PassStats] = dataclasses.field(default_factory=list)
+    # "Writing fp16|bf16 into the graph"; auto-fix updates the stage's result and statistics
+    precision: PrecisionStage | None = None
+    typed: onnx.ModelProto | None = None
+    # "Building deploykit's op library"
+    library: OpLibrary = OpLibrary(None, "the graph uses no deploykit op")
+    # "Building the TensorRT engine"; auto-fix rebuilds it from the fixed graph
+    engine: EngineStage | None = None
+    # "Validating against PyTorch"; auto-fix validates again. The first candidate is the bundle
+    # as it will run, the last the plain export.
+    feed_sets: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
+    tolerances: dict[str, Tolerance] = dataclasses.field(default_factory=dict)
+    validations: list[CandidateValidation] = dataclasses.field(default_factory=list)
+    # "Pinning the nodes that diverge to fp32 (--auto-fix)"
+    fixed: onnx.ModelProto | None = None
+    # "Writing the bundle": shared by the report and the manifest
+    created: str | None = None
+    versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    report: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def shipped_graph(self) -> onnx.ModelProto | None:
+        """The latest graph: auto-fixed, else typed to the precision, else optimized."""
+        return next((g for g in (self.fixed, self.typed, self.optimized) if g is not None), None)
+
+    @property
+    def shipped_pass_stats(self) -> list[PassStats]:
+        """The passes' statistics, then the precision pass's (of the auto-fixed graph after auto-fix)."""
+        return [*self.pass_stats, self.precision.result.stats] if self.precision is not None else self.pass_stats
+
+    @property
+    def shipped_validations(self) -> list[CandidateValidation]:
+        """What the bundle ships, each of which must pass; the first is the bundle as it will run."""
+        return self.validations[:-1]
+
+    @property
+    def plain_validation(self) -> CandidateValidation:
+        """The plain export's: it only tells where a failure came from."""
+        return self.validations[-1]
+
+    @property
+    def passed(self) -> bool:
+        return all(v.passed for v in self.shipped_validations)
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return [run.batch for run in self.validations[0].runs]
