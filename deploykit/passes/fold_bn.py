@@ -12,11 +12,13 @@ has no other consumer.
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleClassBase
 
-from deploykit.passes.base import PassStats, count_nodes
+from deploykit.passes.base import GraphPass, apply_rules
 
 
 def constant_array(value: ir.Value | None) -> np.ndarray | None:
@@ -246,20 +248,18 @@ def _rules() -> list[RewriteRule]:
     return rules
 
 
-def fold_batch_norm(model: ir.Model) -> PassStats:
-    """Apply the folding rules until a sweep changes nothing; count folds per rule.
+class FoldBatchNorm(GraphPass):
+    """Sweep the folding rules over the model until a sweep changes nothing; count folds per rule.
 
     Repeating matters for chains such as BN -> Conv -> BN, where folding one side
     exposes the other.
     """
-    nodes_before = count_nodes(model)
-    rules = [(rule.name, RewriteRuleSet([rule], commute=True)) for rule in _rules()]
-    changes: dict[str, int] = {}
-    changed = True
-    while changed:
-        changed = False
-        for name, rule_set in rules:
-            if applied := rule_set.apply_to_model(model):
-                changes[name] = changes.get(name, 0) + applied
-                changed = True
-    return PassStats("fold_batch_norm", changes, nodes_before, count_nodes(model))
+
+    name = "fold_batch_norm"
+
+    def rewrite(self, model: ir.Model) -> dict[str, int]:
+        rules = _rules()
+        changes: collections.Counter[str] = collections.Counter()
+        while sweep := apply_rules(model, rules, commute=True):
+            changes.update(sweep)
+        return dict(changes)
