@@ -45,7 +45,16 @@ def _new_initializer(op, array: np.ndarray, like: np.ndarray, name: str) -> ir.V
 
 
 class _FoldRule(RewriteRuleClassBase):
-    """Shared check: the BN and the neighbouring weight (and bias) are constants."""
+    """One rule in two variants, with or without the weight's node taking a bias input; the
+    shared check: the BN and the neighbouring weight (and bias) are constants."""
+
+    def __init__(self, name: str, with_bias: bool):
+        super().__init__(name)
+        self.with_bias = with_bias
+
+    def operands(self, x, weight, bias) -> tuple:
+        """The inputs of the node holding the weight, in this variant."""
+        return (x, weight, bias) if self.with_bias else (x, weight)
 
     def check(self, context, bn_out, weight, bias=None, **_) -> MatchResult:
         result = MatchResult()
@@ -62,12 +71,11 @@ class FoldIntoConv(_FoldRule):
     """``BN(Conv(x, W, b))`` -> ``Conv(x, W*s, b*s + t)``; also ConvTranspose."""
 
     def __init__(self, op_type: str, with_bias: bool):
-        super().__init__(f"fold_bn_into_{op_type.lower()}" + ("_bias" * with_bias))
-        self.op_type, self.with_bias = op_type, with_bias
+        super().__init__(f"fold_bn_into_{op_type.lower()}" + ("_bias" * with_bias), with_bias)
+        self.op_type = op_type
 
     def pattern(self, op, x, weight, bias):
-        inputs = (x, weight, bias) if self.with_bias else (x, weight)
-        conv = getattr(op, self.op_type)(*inputs, _outputs=["conv_out"])
+        conv = getattr(op, self.op_type)(*self.operands(x, weight, bias), _outputs=["conv_out"])
         return op.BatchNormalization(conv, _allow_other_inputs=True, _outputs=["bn_out"])
 
     def check(self, context, x, weight, conv_out, bn_out, bias=None) -> MatchResult:
@@ -115,12 +123,10 @@ class FoldIntoGemm(_FoldRule):
     """``BN(Gemm(a, B, C))`` -> ``Gemm(a, B*s, beta*C*s + t)`` (scaling B's output columns)."""
 
     def __init__(self, with_bias: bool):
-        super().__init__("fold_bn_into_gemm" + ("_bias" * with_bias))
-        self.with_bias = with_bias
+        super().__init__("fold_bn_into_gemm" + ("_bias" * with_bias), with_bias)
 
     def pattern(self, op, x, weight, bias):
-        inputs = (x, weight, bias) if self.with_bias else (x, weight)
-        gemm = op.Gemm(*inputs, _outputs=["gemm_out"])
+        gemm = op.Gemm(*self.operands(x, weight, bias), _outputs=["gemm_out"])
         return op.BatchNormalization(gemm, _allow_other_inputs=True, _outputs=["bn_out"])
 
     def check(self, context, x, weight, gemm_out, bn_out, bias=None) -> MatchResult:
@@ -158,8 +164,7 @@ class FoldIntoMatMul(_FoldRule):
     """
 
     def __init__(self, with_bias: bool):
-        super().__init__("fold_bn_into_matmul" + ("_add" * with_bias))
-        self.with_bias = with_bias
+        super().__init__("fold_bn_into_matmul" + ("_add" * with_bias), with_bias)
 
     def pattern(self, op, x, weight, bias):
         out = op.MatMul(x, weight, _outputs=["matmul_out"])
@@ -194,13 +199,11 @@ class FoldIntoFollowingConv(_FoldRule):
     """``Conv(BN(x), W, b)`` without padding -> ``Conv(x, W*s[c_in], b + sum(W*t[c_in]))``."""
 
     def __init__(self, with_bias: bool):
-        super().__init__("fold_bn_into_next_conv" + ("_bias" * with_bias))
-        self.with_bias = with_bias
+        super().__init__("fold_bn_into_next_conv" + ("_bias" * with_bias), with_bias)
 
     def pattern(self, op, x, weight, bias):
         bn = op.BatchNormalization(x, _allow_other_inputs=True, _outputs=["bn_out"])
-        inputs = (bn, weight, bias) if self.with_bias else (bn, weight)
-        return op.Conv(*inputs, _outputs=["conv_out"])
+        return op.Conv(*self.operands(bn, weight, bias), _outputs=["conv_out"])
 
     def check(self, context, x, weight, bn_out, conv_out, bias=None) -> MatchResult:
         result = super().check(context, bn_out, weight, bias)

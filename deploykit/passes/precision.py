@@ -542,15 +542,19 @@ def float_io(model: onnx.ModelProto) -> onnx.ModelProto:
     graph = ir_model.graph
     for index, value in enumerate(list(graph.inputs)):
         if value.dtype in LOW_DTYPES:
-            outer = ir.Value(name=value.name, type=ir.TensorType(FLOAT), shape=value.shape)
-            value.name += _SUFFIX[value.dtype]
-            cast = ir.node("Cast", [outer], {"to": value.dtype}, outputs=[value])
-            graph.insert_before(next(iter(graph)), cast)
+            outer = _fp32_outside(value)
+            graph.insert_before(next(iter(graph)), ir.node("Cast", [outer], {"to": value.dtype}, outputs=[value]))
             graph.inputs[index] = outer
     for index, value in enumerate(list(graph.outputs)):
         if value.dtype in LOW_DTYPES:
-            outer = ir.Value(name=value.name, type=ir.TensorType(FLOAT), shape=value.shape)
-            value.name += _SUFFIX[value.dtype]
+            outer = _fp32_outside(value)
             graph.append(ir.node("Cast", [value], {"to": FLOAT}, outputs=[outer]))
             graph.outputs[index] = outer
     return ir.serde.serialize_model(ir_model)
+
+
+def _fp32_outside(value: ir.Value) -> ir.Value:
+    """A new fp32 value that takes over ``value``'s name; ``value`` gets its type's suffix."""
+    outer = ir.Value(name=value.name, type=ir.TensorType(FLOAT), shape=value.shape)
+    value.name += _SUFFIX[value.dtype]
+    return outer
