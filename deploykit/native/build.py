@@ -524,9 +524,7 @@ def build_target(build_dir: Path, target: str, headers: Headers, archs: str, job
     target, outside the cache (``kernels.build_library``); RuntimeError with CMake's output if a step fails."""
     _require_sources()
     toolchain = find_toolchain()
-    build_dir.mkdir(parents=True, exist_ok=True)
-    log = build_dir / "build.log"
-    log.write_text("")
+    log = _new_log(build_dir)
     for command in (configure_command(build_dir, toolchain, headers, archs),
                     compile_command(build_dir, toolchain, target, jobs)):
         step = _run_step(command, log, verbose=False)
@@ -538,9 +536,7 @@ def _build(build_dir: Path, key: str, toolchain: Toolchain, headers: Headers, ar
            verbose: bool) -> NativeBuild:
     """Configure, compile (keeping going past a failing component), record and return the result."""
     start = time.monotonic()
-    build_dir.mkdir(parents=True, exist_ok=True)
-    log = build_dir / "build.log"
-    log.write_text("")
+    log = _new_log(build_dir)
     configure = _run_step(configure_command(build_dir, toolchain, headers, archs), log, verbose)
     if configure.returncode != 0:
         raise EnvironmentProblem(f"cmake could not configure deploykit's native code: "
@@ -557,6 +553,14 @@ def _build(build_dir: Path, key: str, toolchain: Toolchain, headers: Headers, ar
     if compiled.returncode == 0:
         _write_manifest(result, key)
     return result
+
+
+def _new_log(build_dir: Path) -> Path:
+    """``build_dir/build.log``, empty: each CMake step appends to it."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    log = build_dir / "build.log"
+    log.write_text("")
+    return log
 
 
 def configure_command(build_dir: Path, toolchain: Toolchain, headers: Headers, archs: str) -> list[str]:
