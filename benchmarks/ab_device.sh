@@ -18,7 +18,7 @@ prepare() {
 }
 
 build() {  # build TREE DEST LOG -> prints the library path
-  (cd "$1" && python3 -c "from deploykit.native import kernels; print(kernels.build_library('$2', cuda_architectures='${ARCH:-90}', jobs=8))") >"$3" 2>&1 \
+  (cd "$1" && python3 -c "from deploykit import kernels; print(kernels.build_library('$2', cuda_architectures='${ARCH:-90}', jobs=8))") >"$3" 2>&1 \
     && tail -1 "$3" || { tail -30 "$3" >&2; return 1; }
 }
 

@@ -14,7 +14,7 @@ stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 
 stamp "build sm_$ARCH"
 if [ -z "${DEPLOYKIT_KERNELS_LIB:-}" ]; then
-  $PY -c "from deploykit.native import kernels; print(kernels.build_library('/tmp/dk-build', cuda_architectures='$ARCH', jobs=16))" \
+  $PY -c "from deploykit import kernels; print(kernels.build_library('/tmp/dk-build', cuda_architectures='$ARCH', jobs=16))" \
     >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
   export DEPLOYKIT_KERNELS_LIB=$(tail -1 "$OUT/build.log")
 fi
