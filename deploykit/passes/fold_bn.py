@@ -40,8 +40,11 @@ def batch_norm_affine(bn_out: ir.Value) -> tuple[np.ndarray, np.ndarray] | None:
     return scale, beta - mean * scale
 
 
-def _new_initializer(op, array: np.ndarray, like: np.ndarray, name: str) -> ir.Value:
-    return op.initializer(ir.tensor(array.astype(like.dtype)), name=name)
+def _folded(op, like: np.ndarray, weight: np.ndarray, bias: np.ndarray, prefix: str) -> tuple[ir.Value, ...]:
+    """The folded weight and bias as initializers ``<prefix>_weight`` and ``<prefix>_bias``,
+    in the dtype of the weight they replace (``like``)."""
+    return (op.initializer(ir.tensor(weight.astype(like.dtype)), name=f"{prefix}_weight"),
+            op.initializer(ir.tensor(bias.astype(like.dtype)), name=f"{prefix}_bias"))
 
 
 class _FoldRule(RewriteRuleClassBase):
@@ -111,12 +114,7 @@ class FoldIntoConv(_FoldRule):
             new_w = (grouped * factor).reshape(w.shape)
         b = constant_array(bias) if bias is not None else np.zeros_like(scale)
         new_b = b * scale + shift
-        return op.op(
-            self.op_type, x,
-            _new_initializer(op, new_w, w, f"{bn_out.name}_folded_weight"),
-            _new_initializer(op, new_b, w, f"{bn_out.name}_folded_bias"),
-            **conv.attributes,
-        )
+        return op.op(self.op_type, x, *_folded(op, w, new_w, new_b, f"{bn_out.name}_folded"), **conv.attributes)
 
 
 class FoldIntoGemm(_FoldRule):
@@ -148,12 +146,7 @@ class FoldIntoGemm(_FoldRule):
         c = constant_array(bias) if bias is not None else np.zeros(1, dtype=w.dtype)
         new_c = beta * c.astype(np.float64) * scale + shift
         attributes = {k: v for k, v in gemm.attributes.items() if k != "beta"}
-        return op.Gemm(
-            x,
-            _new_initializer(op, new_w, w, f"{bn_out.name}_folded_weight"),
-            _new_initializer(op, new_c, w, f"{bn_out.name}_folded_bias"),
-            **attributes,
-        )
+        return op.Gemm(x, *_folded(op, w, new_w, new_c, f"{bn_out.name}_folded"), **attributes)
 
 
 class FoldIntoMatMul(_FoldRule):
@@ -190,8 +183,7 @@ class FoldIntoMatMul(_FoldRule):
         scale, shift = batch_norm_affine(bn_out)
         w = constant_array(weight)
         b = constant_array(bias).reshape(-1) if bias is not None else np.zeros(1, dtype=w.dtype)
-        new_w = _new_initializer(op, w * scale[None, :], w, f"{bn_out.name}_folded_weight")
-        new_b = _new_initializer(op, b * scale + shift, w, f"{bn_out.name}_folded_bias")
+        new_w, new_b = _folded(op, w, w * scale[None, :], b * scale + shift, f"{bn_out.name}_folded")
         return op.Add(op.MatMul(x, new_w), new_b)
 
 
@@ -230,12 +222,7 @@ class FoldIntoFollowingConv(_FoldRule):
         new_w = w * scale[channel].reshape(*channel.shape, *spatial)
         b = constant_array(bias) if bias is not None else np.zeros(w.shape[0], dtype=w.dtype)
         new_b = b + (w * shift[channel].reshape(*channel.shape, *spatial)).sum(axis=tuple(range(1, w.ndim)))
-        return op.Conv(
-            x,
-            _new_initializer(op, new_w, w, f"{conv_out.name}_bnfolded_weight"),
-            _new_initializer(op, new_b, w, f"{conv_out.name}_bnfolded_bias"),
-            **conv.attributes,
-        )
+        return op.Conv(x, *_folded(op, w, new_w, new_b, f"{conv_out.name}_bnfolded"), **conv.attributes)
 
 
 def _rules() -> list[RewriteRule]:
