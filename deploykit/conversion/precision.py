@@ -20,7 +20,8 @@ from deploykit.validation.auto_fix import FixProblem, FixResult, auto_fix, is_lo
 from deploykit.backends.onnxruntime.runner import OnnxRuntimeRunner
 from deploykit.errors import DeployKitError
 from deploykit.validation.layerwise import run_values
-from deploykit.passes.precision import PrecisionResult, apply_precision, emulate, float_io, name_nodes
+from deploykit.passes.precision import (ONNX_TYPE_NAMES, PrecisionResult, apply_precision, emulate, float_io,
+                                        name_nodes)
 
 
 @dataclasses.dataclass
@@ -126,7 +127,7 @@ def ort_cpu_missing_kernels(model: onnx.ModelProto, precision: str) -> list[str]
         kernels = _pybind_state.get_all_opkernel_def()
     except (ImportError, AttributeError):
         return None
-    wanted = {"fp16": "tensor(float16)", "bf16": "tensor(bfloat16)"}[precision]
+    wanted = ONNX_TYPE_NAMES[precision]
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
     have = {
         k.op_name for k in kernels

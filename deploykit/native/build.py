@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from deploykit.errors import BadInputError, EnvironmentProblem
@@ -39,6 +39,7 @@ ORT_DEBIAN_PACKAGE = "libonnxruntime-dev"
 KERNEL_LENS = "kernel-lens==2.0.1"  # ships TensorRT 10.14 headers in kernel_lens/include/tensorrt/
 KERNEL_LENS_HEADERS = "kernel_lens/include/tensorrt/"
 NETWORK_TIMEOUT_S = "30"
+CUBLAS_INSTALL_HINT = "pip install nvidia-cublas, or set CUBLAS_ROOT"
 
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 LIBRARIES = {
@@ -246,30 +247,12 @@ def _cmake_version(cmake: str) -> tuple[int, ...]:
 
 def ort_headers(verbose: bool = False) -> tuple[Path | None, Disabled | None]:
     """ONNX Runtime's C/C++ API headers: $ORT_ROOT, else Debian's package fetched into the cache."""
-    if root := os.environ.get("ORT_ROOT"):
-        for candidate in (Path(root) / "include", Path(root) / "include" / "onnxruntime"):
-            if (candidate / "onnxruntime_cxx_api.h").is_file():
-                return candidate, None
-        return None, Disabled(f"ORT_ROOT={root} has no include/onnxruntime_cxx_api.h",
-                              "point ORT_ROOT at an unpacked ONNX Runtime release")
-    target = cache_dir() / "headers" / "onnxruntime"
-    marker = "include/onnxruntime/onnxruntime_cxx_api.h"
-    problem = _fetch_once(target, marker, _fetch_debian_ort, verbose)
-    return (None, problem) if problem else ((target / marker).parent, None)
+    return ORT_HEADERS.find(verbose)
 
 
 def tensorrt_headers(verbose: bool = False) -> tuple[Path | None, Disabled | None]:
     """TensorRT headers: $TENSORRT_ROOT/include, else the kernel-lens wheel's, fetched into the cache."""
-    if root := os.environ.get("TENSORRT_ROOT"):
-        include = Path(root) / "include"
-        if (include / "NvInferRuntime.h").is_file():
-            return include, None
-        return None, Disabled(f"TENSORRT_ROOT={root} has no include/NvInferRuntime.h",
-                              "point TENSORRT_ROOT at an unpacked TensorRT 10 release")
-    target = cache_dir() / "headers" / "tensorrt"
-    marker = "include/NvInferRuntime.h"
-    problem = _fetch_once(target, marker, _fetch_kernel_lens_trt, verbose)
-    return (None, problem) if problem else ((target / marker).parent, None)
+    return TENSORRT_HEADERS.find(verbose)
 
 
 def cublas_headers(verbose: bool = False) -> tuple[Path | None, Disabled | None]:
@@ -282,7 +265,38 @@ def cublas_headers(verbose: bool = False) -> tuple[Path | None, Disabled | None]
         if (candidate / "cublasLt.h").is_file():
             return candidate.resolve(), None
     return None, Disabled("no cublasLt.h: the CUDA MatMulRelu uses its fallback kernel, not cuBLASLt",
-                          "pip install nvidia-cublas, or set CUBLAS_ROOT")
+                          CUBLAS_INSTALL_HINT)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeaderSet:
+    """Where one set of headers comes from: ``$<env>`` (an unpacked release), else fetched once
+    into the cache's ``headers/<name>``."""
+
+    name: str
+    env: str
+    #: the file that shows the set is there
+    header: str
+    #: folders under ``$<env>`` that may hold ``header``
+    env_includes: tuple[str, ...]
+    #: the folder of the fetched set that holds ``header``
+    cached_include: str
+    #: what ``$<env>`` should point at
+    release: str
+    #: fills a staging folder with the set, or raises _FetchFailed
+    fetch: Callable[[Path, bool], None]
+
+    def find(self, verbose: bool = False) -> tuple[Path | None, Disabled | None]:
+        """The include folder, or None and why it is missing."""
+        if root := os.environ.get(self.env):
+            for include in self.env_includes:
+                if (Path(root) / include / self.header).is_file():
+                    return Path(root) / include, None
+            return None, Disabled(f"{self.env}={root} has no include/{self.header}",
+                                  f"point {self.env} at an unpacked {self.release}")
+        target = cache_dir() / "headers" / self.name
+        problem = _fetch_once(target, f"{self.cached_include}/{self.header}", self.fetch, verbose)
+        return (None, problem) if problem else (target / self.cached_include, None)
 
 
 def _fetch_once(target: Path, marker: str, fetch, verbose: bool) -> Disabled | None:
@@ -463,6 +477,12 @@ def _run_fetch(command: list[str], what: str, hint: str, verbose: bool, cwd: Pat
         raise _FetchFailed(f"{what} failed: {_last_error(result.stdout + result.stderr)}", hint)
 
 
+ORT_HEADERS = HeaderSet("onnxruntime", "ORT_ROOT", "onnxruntime_cxx_api.h", ("include", "include/onnxruntime"),
+                        "include/onnxruntime", "ONNX Runtime release", _fetch_debian_ort)
+TENSORRT_HEADERS = HeaderSet("tensorrt", "TENSORRT_ROOT", "NvInferRuntime.h", ("include",), "include",
+                             "TensorRT 10 release", _fetch_kernel_lens_trt)
+
+
 # --------------------------------------------------------------------------- build
 
 
@@ -484,9 +504,7 @@ def build_key(toolchain: Toolchain, headers: Headers, archs: str) -> str:
 
 def _source_files() -> list[Path]:
     """The files of the CMake tree under csrc/ and plugins/; EnvironmentProblem outside a source checkout."""
-    if not (SOURCE_ROOT / "csrc" / "CMakeLists.txt").is_file():
-        raise EnvironmentProblem(f"deploykit's native sources are missing ({SOURCE_ROOT / 'csrc'}): "
-                                 "build the plugins from a source checkout of deploykit")
+    _require_sources()
     files = [p for d in ("csrc", "plugins") for p in (SOURCE_ROOT / d).rglob("*") if p.is_file()]
     # csrc/runtime (the C++ bundle runner) and the benchmarks are separate projects: not this build.
     separate = (SOURCE_ROOT / "csrc" / "runtime", SOURCE_ROOT / "csrc" / "kernels" / "bench")
@@ -495,20 +513,37 @@ def _source_files() -> list[Path]:
                   and not any(p.is_relative_to(folder) for folder in separate))
 
 
+def _require_sources() -> None:
+    if not (SOURCE_ROOT / "csrc" / "CMakeLists.txt").is_file():
+        raise EnvironmentProblem(f"deploykit's native sources are missing ({SOURCE_ROOT / 'csrc'}): "
+                                 "build the plugins from a source checkout of deploykit")
+
+
+def build_target(build_dir: Path, target: str, headers: Headers, archs: str, jobs: int) -> None:
+    """Configure ``csrc/`` into ``build_dir`` as :func:`build_plugins` does and build one CMake
+    target, outside the cache (``kernels.build_library``); RuntimeError with CMake's output if a step fails."""
+    _require_sources()
+    toolchain = find_toolchain()
+    log = _new_log(build_dir)
+    for command in (configure_command(build_dir, toolchain, headers, archs),
+                    compile_command(build_dir, toolchain, target, jobs)):
+        step = _run_step(command, log, verbose=False)
+        if step.returncode != 0:
+            raise RuntimeError(f"{shlex.join(command)} failed:\n{step.stdout}")
+
+
 def _build(build_dir: Path, key: str, toolchain: Toolchain, headers: Headers, archs: str,
            verbose: bool) -> NativeBuild:
     """Configure, compile (keeping going past a failing component), record and return the result."""
     start = time.monotonic()
-    build_dir.mkdir(parents=True, exist_ok=True)
-    log = build_dir / "build.log"
-    log.write_text("")
-    configure = _run_step(_configure_command(build_dir, toolchain, headers, archs), log, verbose)
+    log = _new_log(build_dir)
+    configure = _run_step(configure_command(build_dir, toolchain, headers, archs), log, verbose)
     if configure.returncode != 0:
         raise EnvironmentProblem(f"cmake could not configure deploykit's native code: "
                                  f"{_last_error(configure.stdout)} (log: {log})")
-    compiled = _run_step(_compile_command(build_dir, toolchain), log, verbose)
+    compiled = _run_step(compile_command(build_dir, toolchain), log, verbose)
     disabled = {**_disabled_from_cmake(configure.stdout), **_header_problems(headers)}
-    libraries = _built_libraries(build_dir)
+    libraries = built_libraries(build_dir)
     for name in LIBRARIES:
         if name not in libraries and name not in disabled:
             disabled[name] = Disabled(f"compilation failed: {_last_error(compiled.stdout)}", f"see {log}")
@@ -520,7 +555,16 @@ def _build(build_dir: Path, key: str, toolchain: Toolchain, headers: Headers, ar
     return result
 
 
-def _configure_command(build_dir: Path, toolchain: Toolchain, headers: Headers, archs: str) -> list[str]:
+def _new_log(build_dir: Path) -> Path:
+    """``build_dir/build.log``, empty: each CMake step appends to it."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    log = build_dir / "build.log"
+    log.write_text("")
+    return log
+
+
+def configure_command(build_dir: Path, toolchain: Toolchain, headers: Headers, archs: str) -> list[str]:
+    """``cmake`` configuring ``csrc/``: the one place the cache variables (csrc/CMakeLists.txt) are set."""
     defines = {
         "CMAKE_BUILD_TYPE": "Release",
         "CMAKE_MAKE_PROGRAM": toolchain.make_program,
@@ -533,9 +577,14 @@ def _configure_command(build_dir: Path, toolchain: Toolchain, headers: Headers, 
             *(f"-D{name}={value}" for name, value in defines.items())]
 
 
-def _compile_command(build_dir: Path, toolchain: Toolchain) -> list[str]:
+def compile_command(build_dir: Path, toolchain: Toolchain, target: str | None = None,
+                    jobs: int | None = None) -> list[str]:
+    """``cmake --build``: one target, or everything, keeping going past a failing component."""
+    command = [toolchain.cmake, "--build", str(build_dir), "-j", str(jobs or os.cpu_count() or 1)]
+    if target is not None:
+        return [*command, "--target", target]
     keep_going = ["-k", "0"] if toolchain.generator == "Ninja" else ["-k"]
-    return [toolchain.cmake, "--build", str(build_dir), "-j", str(os.cpu_count() or 1), "--", *keep_going]
+    return [*command, "--", *keep_going]
 
 
 def _run_step(command: list[str], log: Path, verbose: bool) -> subprocess.CompletedProcess:
@@ -563,7 +612,7 @@ def _disabled_from_cmake(output: str) -> dict[str, Disabled]:
         disabled[name] = Disabled(match.group(2), match.group(3) or "")
     if "deploykit: no cublasLt.h" in output:
         disabled["cublaslt"] = Disabled("no cublasLt.h: the CUDA MatMulRelu uses its fallback kernel",
-                                        "pip install nvidia-cublas, or set CUBLAS_ROOT")
+                                        CUBLAS_INSTALL_HINT)
     return disabled
 
 
@@ -572,7 +621,8 @@ def _header_problems(headers: Headers) -> dict[str, Disabled]:
     return {name: problem for name, problem in headers.problems.items() if name in ("onnxruntime", "tensorrt")}
 
 
-def _built_libraries(build_dir: Path) -> dict[str, Path]:
+def built_libraries(build_dir: Path) -> dict[str, Path]:
+    """The libraries of LIBRARIES a build produced, by name."""
     found = {}
     for name, filename in LIBRARIES.items():
         matches = sorted(p for p in build_dir.rglob(filename) if "CMakeFiles" not in p.parts)

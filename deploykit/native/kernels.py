@@ -3,24 +3,23 @@
 
 ``load()`` opens the library (a path, or ``$DEPLOYKIT_KERNELS_LIB``); ``fused_batch_norm_cpu``
 and ``matmul_relu_cpu`` run the CPU kernels on numpy arrays. bfloat16 arrays are either
-``ml_dtypes.bfloat16`` or ``uint16`` bit patterns. ``build_library()`` compiles the library with
-CMake (used by the tests). The CUDA entry points are declared on the loaded library for callers
-that hold device pointers (e.g. ``torch.Tensor.data_ptr()``).
+``ml_dtypes.bfloat16`` or ``uint16`` bit patterns. ``build_library()`` compiles the library alone
+with native/build.py's CMake recipe (used by the tests and benchmarks). The CUDA entry points are
+declared on the loaded library for callers that hold device pointers (e.g. ``torch.Tensor.data_ptr()``).
 """
 
 from __future__ import annotations
 
 import ctypes
-import glob
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 
+from deploykit.native import build as native_build
+
 ENV_VAR = "DEPLOYKIT_KERNELS_LIB"
-LIBRARY_NAME = "libdeploykit_kernels.so"
+LIBRARY_NAME = native_build.LIBRARIES["kernels"]
 
 OK, INVALID_ARGUMENT, CUDA_ERROR, CUBLAS_ERROR, NOT_COMPILED = range(5)
 FLOAT32, FLOAT16, BFLOAT16 = range(3)
@@ -176,50 +175,19 @@ def matmul_relu_cpu(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None
     return y
 
 
-def find_cublas_include_dir() -> str | None:
-    """A folder holding cublasLt.h: $CUBLAS_INCLUDE_DIR, pip's nvidia packages, or CUDA's."""
-    candidates = [os.environ.get("CUBLAS_INCLUDE_DIR", "")]
-    try:
-        import nvidia  # namespace package of the nvidia-* wheels (nvidia-cublas)
-
-        for root in nvidia.__path__:
-            candidates += sorted(glob.glob(os.path.join(root, "*", "include")))
-    except ImportError:
-        pass
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if home:
-            candidates += [os.path.join(home, "include"),
-                           *glob.glob(os.path.join(home, "targets", "*", "include"))]
-    for folder in candidates:
-        if folder and os.path.isfile(os.path.join(folder, "cublasLt.h")):
-            return folder
-    return None
-
-
 def build_library(build_dir: str | os.PathLike, *, cuda_architectures: str | None = None,
                   cublas_include_dir: str | None = None, jobs: int = 2) -> Path:
-    """Configure ``csrc/`` with CMake into ``build_dir``, build deploykit_kernels, return its path.
+    """Build deploykit_kernels alone into ``build_dir``, configured as ``deploykit build-plugins``
+    configures ``csrc/`` (without the plugins' headers); return the library's path.
 
     Needs a source checkout (csrc/ beside this package). CUDA sources compile when nvcc is found.
     """
-    source = Path(__file__).resolve().parents[2] / "csrc"
-    if not (source / "CMakeLists.txt").is_file():
-        raise FileNotFoundError(f"no CMake project at {source}: build from a source checkout")
-    cmake = shutil.which("cmake")
-    if cmake is None:
-        raise FileNotFoundError("cmake not found on PATH")
-    configure = [cmake, "-S", str(source), "-B", str(build_dir)]
-    include = cublas_include_dir or find_cublas_include_dir()
-    if include:
-        configure.append(f"-DCUBLAS_INCLUDE_DIR={include}")
-    if cuda_architectures:
-        configure.append(f"-DDK_CUDA_ARCHITECTURES={cuda_architectures}")
-    for command in (configure, [cmake, "--build", str(build_dir), "--target", "deploykit_kernels",
-                                "-j", str(jobs)]):
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
-    found = sorted(Path(build_dir).rglob(LIBRARY_NAME))
-    if not found:
+    build_dir = Path(build_dir)
+    cublas = Path(cublas_include_dir) if cublas_include_dir else native_build.cublas_headers()[0]
+    headers = native_build.Headers(onnxruntime=None, tensorrt=None, cublas=cublas, problems={})
+    native_build.build_target(build_dir, "deploykit_kernels", headers, native_build.cuda_archs(cuda_architectures),
+                              jobs)
+    library = native_build.built_libraries(build_dir).get("kernels")
+    if library is None:
         raise FileNotFoundError(f"{LIBRARY_NAME} not found under {build_dir} after the build")
-    return found[0]
+    return library

@@ -6,31 +6,38 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 import onnxscript.optimizer
 
-from deploykit.passes.base import PassStats, count_nodes
+from deploykit.passes.base import GraphPass, GraphSize
 
 
-def fold_constants(model: ir.Model) -> PassStats:
+class FoldConstants(GraphPass):
     """Evaluate subgraphs whose inputs are all constant (shape arithmetic, weight transposes)."""
-    nodes_before = count_nodes(model)
-    onnxscript.optimizer.fold_constants(model)
-    common_passes.RemoveUnusedNodesPass()(model)
-    nodes_after = count_nodes(model)
-    return PassStats("fold_constants", {"nodes_folded": nodes_before - nodes_after}, nodes_before, nodes_after)
+
+    name = "fold_constants"
+
+    def rewrite(self, model: ir.Model) -> dict[str, int]:
+        onnxscript.optimizer.fold_constants(model)
+        common_passes.RemoveUnusedNodesPass()(model)
+        return {}
+
+    def removed(self, before: GraphSize, after: GraphSize) -> dict[str, int]:
+        return {"nodes_folded": before.nodes - after.nodes}
 
 
-def remove_dead_code(model: ir.Model) -> PassStats:
+class RemoveDeadCode(GraphPass):
     """Drop Identity nodes, and nodes, initializers and functions no output depends on."""
-    nodes_before = count_nodes(model)
-    initializers_before = len(model.graph.initializers)
-    functions_before = len(model.functions)
-    common_passes.IdentityEliminationPass()(model)
-    common_passes.RemoveUnusedNodesPass()(model)
-    common_passes.RemoveUnusedFunctionsPass()(model)
-    common_passes.RemoveUnusedOpsetsPass()(model)
-    nodes_after = count_nodes(model)
-    changes = {
-        "nodes_removed": nodes_before - nodes_after,
-        "initializers_removed": initializers_before - len(model.graph.initializers),
-        "functions_removed": functions_before - len(model.functions),
-    }
-    return PassStats("remove_dead_code", changes, nodes_before, nodes_after)
+
+    name = "remove_dead_code"
+
+    def rewrite(self, model: ir.Model) -> dict[str, int]:
+        common_passes.IdentityEliminationPass()(model)
+        common_passes.RemoveUnusedNodesPass()(model)
+        common_passes.RemoveUnusedFunctionsPass()(model)
+        common_passes.RemoveUnusedOpsetsPass()(model)
+        return {}
+
+    def removed(self, before: GraphSize, after: GraphSize) -> dict[str, int]:
+        return {
+            "nodes_removed": before.nodes - after.nodes,
+            "initializers_removed": before.initializers - after.initializers,
+            "functions_removed": before.functions - after.functions,
+        }

@@ -12,11 +12,13 @@ has no other consumer.
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleClassBase
 
-from deploykit.passes.base import PassStats, count_nodes
+from deploykit.passes.base import GraphPass, apply_rules
 
 
 def constant_array(value: ir.Value | None) -> np.ndarray | None:
@@ -38,12 +40,24 @@ def batch_norm_affine(bn_out: ir.Value) -> tuple[np.ndarray, np.ndarray] | None:
     return scale, beta - mean * scale
 
 
-def _new_initializer(op, array: np.ndarray, like: np.ndarray, name: str) -> ir.Value:
-    return op.initializer(ir.tensor(array.astype(like.dtype)), name=name)
+def _folded(op, like: np.ndarray, weight: np.ndarray, bias: np.ndarray, prefix: str) -> tuple[ir.Value, ...]:
+    """The folded weight and bias as initializers ``<prefix>_weight`` and ``<prefix>_bias``,
+    in the dtype of the weight they replace (``like``)."""
+    return (op.initializer(ir.tensor(weight.astype(like.dtype)), name=f"{prefix}_weight"),
+            op.initializer(ir.tensor(bias.astype(like.dtype)), name=f"{prefix}_bias"))
 
 
 class _FoldRule(RewriteRuleClassBase):
-    """Shared check: the BN and the neighbouring weight (and bias) are constants."""
+    """One rule in two variants, with or without the weight's node taking a bias input; the
+    shared check: the BN and the neighbouring weight (and bias) are constants."""
+
+    def __init__(self, name: str, with_bias: bool):
+        super().__init__(name)
+        self.with_bias = with_bias
+
+    def operands(self, x, weight, bias) -> tuple:
+        """The inputs of the node holding the weight, in this variant."""
+        return (x, weight, bias) if self.with_bias else (x, weight)
 
     def check(self, context, bn_out, weight, bias=None, **_) -> MatchResult:
         result = MatchResult()
@@ -60,12 +74,11 @@ class FoldIntoConv(_FoldRule):
     """``BN(Conv(x, W, b))`` -> ``Conv(x, W*s, b*s + t)``; also ConvTranspose."""
 
     def __init__(self, op_type: str, with_bias: bool):
-        super().__init__(f"fold_bn_into_{op_type.lower()}" + ("_bias" * with_bias))
-        self.op_type, self.with_bias = op_type, with_bias
+        super().__init__(f"fold_bn_into_{op_type.lower()}" + ("_bias" * with_bias), with_bias)
+        self.op_type = op_type
 
     def pattern(self, op, x, weight, bias):
-        inputs = (x, weight, bias) if self.with_bias else (x, weight)
-        conv = getattr(op, self.op_type)(*inputs, _outputs=["conv_out"])
+        conv = getattr(op, self.op_type)(*self.operands(x, weight, bias), _outputs=["conv_out"])
         return op.BatchNormalization(conv, _allow_other_inputs=True, _outputs=["bn_out"])
 
     def check(self, context, x, weight, conv_out, bn_out, bias=None) -> MatchResult:
@@ -101,24 +114,17 @@ class FoldIntoConv(_FoldRule):
             new_w = (grouped * factor).reshape(w.shape)
         b = constant_array(bias) if bias is not None else np.zeros_like(scale)
         new_b = b * scale + shift
-        return op.op(
-            self.op_type, x,
-            _new_initializer(op, new_w, w, f"{bn_out.name}_folded_weight"),
-            _new_initializer(op, new_b, w, f"{bn_out.name}_folded_bias"),
-            **conv.attributes,
-        )
+        return op.op(self.op_type, x, *_folded(op, w, new_w, new_b, f"{bn_out.name}_folded"), **conv.attributes)
 
 
 class FoldIntoGemm(_FoldRule):
     """``BN(Gemm(a, B, C))`` -> ``Gemm(a, B*s, beta*C*s + t)`` (scaling B's output columns)."""
 
     def __init__(self, with_bias: bool):
-        super().__init__("fold_bn_into_gemm" + ("_bias" * with_bias))
-        self.with_bias = with_bias
+        super().__init__("fold_bn_into_gemm" + ("_bias" * with_bias), with_bias)
 
     def pattern(self, op, x, weight, bias):
-        inputs = (x, weight, bias) if self.with_bias else (x, weight)
-        gemm = op.Gemm(*inputs, _outputs=["gemm_out"])
+        gemm = op.Gemm(*self.operands(x, weight, bias), _outputs=["gemm_out"])
         return op.BatchNormalization(gemm, _allow_other_inputs=True, _outputs=["bn_out"])
 
     def check(self, context, x, weight, gemm_out, bn_out, bias=None) -> MatchResult:
@@ -140,12 +146,7 @@ class FoldIntoGemm(_FoldRule):
         c = constant_array(bias) if bias is not None else np.zeros(1, dtype=w.dtype)
         new_c = beta * c.astype(np.float64) * scale + shift
         attributes = {k: v for k, v in gemm.attributes.items() if k != "beta"}
-        return op.Gemm(
-            x,
-            _new_initializer(op, new_w, w, f"{bn_out.name}_folded_weight"),
-            _new_initializer(op, new_c, w, f"{bn_out.name}_folded_bias"),
-            **attributes,
-        )
+        return op.Gemm(x, *_folded(op, w, new_w, new_c, f"{bn_out.name}_folded"), **attributes)
 
 
 class FoldIntoMatMul(_FoldRule):
@@ -156,8 +157,7 @@ class FoldIntoMatMul(_FoldRule):
     """
 
     def __init__(self, with_bias: bool):
-        super().__init__("fold_bn_into_matmul" + ("_add" * with_bias))
-        self.with_bias = with_bias
+        super().__init__("fold_bn_into_matmul" + ("_add" * with_bias), with_bias)
 
     def pattern(self, op, x, weight, bias):
         out = op.MatMul(x, weight, _outputs=["matmul_out"])
@@ -183,8 +183,7 @@ class FoldIntoMatMul(_FoldRule):
         scale, shift = batch_norm_affine(bn_out)
         w = constant_array(weight)
         b = constant_array(bias).reshape(-1) if bias is not None else np.zeros(1, dtype=w.dtype)
-        new_w = _new_initializer(op, w * scale[None, :], w, f"{bn_out.name}_folded_weight")
-        new_b = _new_initializer(op, b * scale + shift, w, f"{bn_out.name}_folded_bias")
+        new_w, new_b = _folded(op, w, w * scale[None, :], b * scale + shift, f"{bn_out.name}_folded")
         return op.Add(op.MatMul(x, new_w), new_b)
 
 
@@ -192,13 +191,11 @@ class FoldIntoFollowingConv(_FoldRule):
     """``Conv(BN(x), W, b)`` without padding -> ``Conv(x, W*s[c_in], b + sum(W*t[c_in]))``."""
 
     def __init__(self, with_bias: bool):
-        super().__init__("fold_bn_into_next_conv" + ("_bias" * with_bias))
-        self.with_bias = with_bias
+        super().__init__("fold_bn_into_next_conv" + ("_bias" * with_bias), with_bias)
 
     def pattern(self, op, x, weight, bias):
         bn = op.BatchNormalization(x, _allow_other_inputs=True, _outputs=["bn_out"])
-        inputs = (bn, weight, bias) if self.with_bias else (bn, weight)
-        return op.Conv(*inputs, _outputs=["conv_out"])
+        return op.Conv(*self.operands(bn, weight, bias), _outputs=["conv_out"])
 
     def check(self, context, x, weight, bn_out, conv_out, bias=None) -> MatchResult:
         result = super().check(context, bn_out, weight, bias)
@@ -225,12 +222,7 @@ class FoldIntoFollowingConv(_FoldRule):
         new_w = w * scale[channel].reshape(*channel.shape, *spatial)
         b = constant_array(bias) if bias is not None else np.zeros(w.shape[0], dtype=w.dtype)
         new_b = b + (w * shift[channel].reshape(*channel.shape, *spatial)).sum(axis=tuple(range(1, w.ndim)))
-        return op.Conv(
-            x,
-            _new_initializer(op, new_w, w, f"{conv_out.name}_bnfolded_weight"),
-            _new_initializer(op, new_b, w, f"{conv_out.name}_bnfolded_bias"),
-            **conv.attributes,
-        )
+        return op.Conv(x, *_folded(op, w, new_w, new_b, f"{conv_out.name}_bnfolded"), **conv.attributes)
 
 
 def _rules() -> list[RewriteRule]:
@@ -246,20 +238,18 @@ def _rules() -> list[RewriteRule]:
     return rules
 
 
-def fold_batch_norm(model: ir.Model) -> PassStats:
-    """Apply the folding rules until a sweep changes nothing; count folds per rule.
+class FoldBatchNorm(GraphPass):
+    """Sweep the folding rules over the model until a sweep changes nothing; count folds per rule.
 
     Repeating matters for chains such as BN -> Conv -> BN, where folding one side
     exposes the other.
     """
-    nodes_before = count_nodes(model)
-    rules = [(rule.name, RewriteRuleSet([rule], commute=True)) for rule in _rules()]
-    changes: dict[str, int] = {}
-    changed = True
-    while changed:
-        changed = False
-        for name, rule_set in rules:
-            if applied := rule_set.apply_to_model(model):
-                changes[name] = changes.get(name, 0) + applied
-                changed = True
-    return PassStats("fold_batch_norm", changes, nodes_before, count_nodes(model))
+
+    name = "fold_batch_norm"
+
+    def rewrite(self, model: ir.Model) -> dict[str, int]:
+        rules = _rules()
+        changes: collections.Counter[str] = collections.Counter()
+        while sweep := apply_rules(model, rules, commute=True):
+            changes.update(sweep)
+        return dict(changes)

@@ -13,11 +13,11 @@ model has both kinds, the BatchNorms without a Relu stay standard BatchNormaliza
 from __future__ import annotations
 
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
 from deploykit import ops
 from deploykit.ops import fused_batch_norm
-from deploykit.passes.base import PassStats, count_nodes
+from deploykit.passes.base import GraphPass, apply_rules
 from deploykit.passes.fold_bn import batch_norm_affine, constant_array
 
 
@@ -48,14 +48,16 @@ class _FuseBatchNorm(RewriteRuleClassBase):
         return fused
 
 
-def fuse_batch_norm(model: ir.Model) -> PassStats:
-    nodes_before = count_nodes(model)
-    changes = {}
-    for activation in ("relu", "none"):  # relu first: a lone BN must not take its Relu's match
-        if changes:
-            break  # one activation per model; see the module docstring
-        count = RewriteRuleSet([_FuseBatchNorm.rule(activation)]).apply_to_model(model)
-        if count:
-            changes[f"fused_batch_norm_{activation}"] = count
-            ops.ensure_function(model, fused_batch_norm.function(activation, model.opset_imports.get("", 18)))
-    return PassStats("fuse_batch_norm", changes, nodes_before, count_nodes(model))
+class FuseBatchNorm(GraphPass):
+    """BatchNorm (with its Relu, where one follows) -> FusedBatchNorm, one activation per model."""
+
+    name = "fuse_batch_norm"
+    emits_custom_ops = True
+
+    def rewrite(self, model: ir.Model) -> dict[str, int]:
+        for activation in ("relu", "none"):  # relu first: a lone BN must not take its Relu's match
+            if changes := apply_rules(model, [_FuseBatchNorm.rule(activation)]):
+                function = fused_batch_norm.function(activation, model.opset_imports.get("", 18))
+                ops.ensure_function(model, function)
+                return changes  # one activation per model; see the module docstring
+        return {}

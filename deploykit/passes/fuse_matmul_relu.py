@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
 from deploykit import ops
 from deploykit.ops import matmul_relu
-from deploykit.passes.base import PassStats, count_nodes
+from deploykit.passes.base import GraphPass, apply_rules
 from deploykit.passes.fold_bn import constant_array
 
 
@@ -91,14 +91,16 @@ class _FuseGemmRelu(RewriteRuleClassBase):
         return _emit(op, a, w.astype(constant_array(weight).dtype), b * gemm.attributes.get_float("beta", 1.0), relu_out.name)
 
 
-def fuse_matmul_relu(model: ir.Model) -> PassStats:
-    nodes_before = count_nodes(model)
-    rules = [_FuseGemmRelu.rule(True), _FuseGemmRelu.rule(False), _FuseMatMulRelu.rule(True), _FuseMatMulRelu.rule(False)]
-    changes = {}
-    for rule in rules:
-        count = RewriteRuleSet([rule], commute=True).apply_to_model(model)
-        if count:
-            changes[rule.name] = count
-    if changes:
-        ops.ensure_function(model, matmul_relu.function(model.opset_imports.get("", 18)))
-    return PassStats("fuse_matmul_relu", changes, nodes_before, count_nodes(model))
+class FuseMatMulRelu(GraphPass):
+    """``Relu(MatMul [+ bias])`` and ``Relu(Gemm)`` with a constant weight -> MatMulRelu."""
+
+    name = "fuse_matmul_relu"
+    emits_custom_ops = True
+
+    def rewrite(self, model: ir.Model) -> dict[str, int]:
+        rules = [_FuseGemmRelu.rule(True), _FuseGemmRelu.rule(False), _FuseMatMulRelu.rule(True),
+                 _FuseMatMulRelu.rule(False)]
+        changes = apply_rules(model, rules, commute=True)
+        if changes:
+            ops.ensure_function(model, matmul_relu.function(model.opset_imports.get("", 18)))
+        return changes

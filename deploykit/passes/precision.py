@@ -32,10 +32,12 @@ from onnx import version_converter
 
 from deploykit import ops
 from deploykit.errors import BadInputError
-from deploykit.passes.base import PassStats, count_nodes
+from deploykit.passes.base import GraphPass, PassStats
 
 FLOAT = ir.DataType.FLOAT
 LOW_TYPES = {"fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
+#: The reduced-precision tensor types: a tensor of one of these is fp16 or bf16.
+LOW_DTYPES = tuple(LOW_TYPES.values())
 _SUFFIX = {FLOAT: "__fp32", ir.DataType.FLOAT16: "__fp16", ir.DataType.BFLOAT16: "__bf16"}
 #: Largest magnitude a calibration run may show in a reduced-precision tensor: a quarter of
 #: the type's maximum, as headroom for deployment data larger than the calibration inputs.
@@ -67,7 +69,8 @@ _SHAPE_ONLY = {"Shape", "Size"}
 _FIXED_TYPE_INPUTS = {"Resize": {1, 2}, "Upsample": {1}}
 #: Reduced types our kernels and plugins implement (docs/ops.md).
 _CUSTOM_OP_TYPES = {"FusedBatchNorm": {"fp16"}, "MatMulRelu": {"fp16", "bf16"}}
-_ONNX_TYPE_NAMES = {"fp16": "tensor(float16)", "bf16": "tensor(bfloat16)"}
+#: ONNX's name of each reduced type, as schemas and kernel registries spell it.
+ONNX_TYPE_NAMES = {"fp16": "tensor(float16)", "bf16": "tensor(bfloat16)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,23 +143,34 @@ def apply_precision(
     magnitude of each tensor in an fp32 calibration run.
     """
     check_precision(precision, io_precision)
-    low_type = LOW_TYPES[precision]
-    io_type = None if io_precision is None else {"fp32": FLOAT, **LOW_TYPES}[io_precision]
     ir_model = ir.serde.deserialize_model(_with_opset_for(model, precision))
-    nodes_before = count_nodes(ir_model)
-    common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(ir_model)
-    common_passes.ShapeInferencePass(strict_mode=False)(ir_model)
-    type_custom_op_outputs(ir_model.graph)
-    planner = _Planner(ir_model, precision, io_type, dict(keep_fp32 or {}), ranges or {})
-    low = planner.plan()
-    summary = planner.summary()
-    writer = _Writer(ir_model.graph, low_type, io_type)
-    writer.write(low)
-    common_passes.RemoveUnusedNodesPass()(ir_model)
-    changes = {f"nodes_{precision}": sum(low.values()), "nodes_fp32": len(low) - sum(low.values()),
-               "casts": writer.cast_count}
-    stats = PassStats(f"precision_{precision}", changes, nodes_before, count_nodes(ir_model))
-    return PrecisionResult(ir.serde.serialize_model(ir_model), stats, summary)
+    typing = _TypeGraph(precision, io_precision, keep_fp32 or {}, ranges or {})
+    stats = typing(ir_model).stats
+    return PrecisionResult(ir.serde.serialize_model(ir_model), stats, typing.summary)
+
+
+class _TypeGraph(GraphPass):
+    """The pass itself: plans every node's precision, writes the types and the boundary Casts."""
+
+    def __init__(self, precision: str, io_precision: str | None, keep_fp32: Mapping[str, str],
+                 ranges: dict[str, float]):
+        self.name, self.precision = f"precision_{precision}", precision
+        self.io_type = None if io_precision is None else {"fp32": FLOAT, **LOW_TYPES}[io_precision]
+        self.keep_fp32, self.ranges = dict(keep_fp32), ranges
+        self.summary: list[NodePrecision] = []
+
+    def rewrite(self, model: ir.Model) -> dict[str, int]:
+        common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
+        common_passes.ShapeInferencePass(strict_mode=False)(model)
+        type_custom_op_outputs(model.graph)
+        planner = _Planner(model, self.precision, self.io_type, self.keep_fp32, self.ranges)
+        low = planner.plan()
+        self.summary = planner.summary()
+        writer = _Writer(model.graph, LOW_TYPES[self.precision], self.io_type)
+        writer.write(low)
+        common_passes.RemoveUnusedNodesPass()(model)
+        return {f"nodes_{self.precision}": sum(low.values()), "nodes_fp32": len(low) - sum(low.values()),
+                "casts": writer.cast_count}
 
 
 def _with_opset_for(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
@@ -212,7 +226,7 @@ def _schema_reason(node: ir.Node, precision: str, opset: int) -> str | None:
         schema = onnx.defs.get_schema(node.op_type, opset, "")
     except onnx.defs.SchemaError:
         return None
-    wanted = _ONNX_TYPE_NAMES[precision]
+    wanted = ONNX_TYPE_NAMES[precision]
     for constraint in schema.type_constraints:
         allowed = set(constraint.allowed_type_strs)
         if "tensor(float)" in allowed and wanted not in allowed:
@@ -462,16 +476,16 @@ def emulate(model: onnx.ModelProto) -> onnx.ModelProto:
     ir_model = ir.serde.deserialize_model(model)
     graph = ir_model.graph
     for value in graph.initializers.values():
-        if value.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+        if value.dtype in LOW_DTYPES:
             value.const_value = ir.tensor(value.const_value.numpy().astype(np.float32), name=value.name)
             value.dtype = FLOAT
     for value in graph.inputs:
-        if value.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+        if value.dtype in LOW_DTYPES:
             _round_input(graph, value)
     for node in list(graph):
         _widen_constant(node)
         for value in node.outputs:
-            if value.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+            if value.dtype in LOW_DTYPES:
                 _round_output(graph, node, value)
     return ir.serde.serialize_model(ir_model)
 
@@ -527,16 +541,20 @@ def float_io(model: onnx.ModelProto) -> onnx.ModelProto:
     ir_model = ir.serde.deserialize_model(model)
     graph = ir_model.graph
     for index, value in enumerate(list(graph.inputs)):
-        if value.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
-            outer = ir.Value(name=value.name, type=ir.TensorType(FLOAT), shape=value.shape)
-            value.name += _SUFFIX[value.dtype]
-            cast = ir.node("Cast", [outer], {"to": value.dtype}, outputs=[value])
-            graph.insert_before(next(iter(graph)), cast)
+        if value.dtype in LOW_DTYPES:
+            outer = _fp32_outside(value)
+            graph.insert_before(next(iter(graph)), ir.node("Cast", [outer], {"to": value.dtype}, outputs=[value]))
             graph.inputs[index] = outer
     for index, value in enumerate(list(graph.outputs)):
-        if value.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
-            outer = ir.Value(name=value.name, type=ir.TensorType(FLOAT), shape=value.shape)
-            value.name += _SUFFIX[value.dtype]
+        if value.dtype in LOW_DTYPES:
+            outer = _fp32_outside(value)
             graph.append(ir.node("Cast", [value], {"to": FLOAT}, outputs=[outer]))
             graph.outputs[index] = outer
     return ir.serde.serialize_model(ir_model)
+
+
+def _fp32_outside(value: ir.Value) -> ir.Value:
+    """A new fp32 value that takes over ``value``'s name; ``value`` gets its type's suffix."""
+    outer = ir.Value(name=value.name, type=ir.TensorType(FLOAT), shape=value.shape)
+    value.name += _SUFFIX[value.dtype]
+    return outer

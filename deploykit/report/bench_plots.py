@@ -1,24 +1,12 @@
-"""Plots for ``deploykit bench`` and ``deploykit profile`` (matplotlib, no display, PNG bytes)."""
+"""Plots for ``deploykit bench`` and ``deploykit profile``, as PNG bytes."""
 
 from __future__ import annotations
 
-import io
+import numpy as np
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-import numpy as np  # noqa: E402
+from deploykit.report.figures import plt, png_bytes
 
 CUSTOM_COLOUR, OTHER_COLOUR = "#d62728", "#1f77b4"
-
-
-def _png(figure) -> bytes:
-    figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    plt.close(figure)
-    return buffer.getvalue()
 
 
 def bench_png(bench: dict) -> bytes:
@@ -49,7 +37,7 @@ def bench_png(bench: dict) -> bytes:
     throughput.set_title("throughput (batch / mean latency)", fontsize=10)
     if measured:
         throughput.legend(fontsize=7)
-    return _png(figure)
+    return png_bytes(figure)
 
 
 def cost_bars_png(rows: list[dict], labels: list[str], title: str) -> bytes:
@@ -61,7 +49,7 @@ def cost_bars_png(rows: list[dict], labels: list[str], title: str) -> bytes:
     axes.set_xlabel("ms per run; red: deploykit ops")
     axes.set_title(title, fontsize=10)
     axes.tick_params(axis="y", labelsize=7)
-    return _png(figure)
+    return png_bytes(figure)
 
 
 def timeline_png(events: list[dict], title: str) -> bytes:
@@ -77,4 +65,4 @@ def timeline_png(events: list[dict], title: str) -> bytes:
     axes.set_yticks(np.arange(len(types)), types, fontsize=7)
     axes.set_xlabel("time since the run started (µs); red: deploykit ops")
     axes.set_title(title, fontsize=10)
-    return _png(figure)
+    return png_bytes(figure)

@@ -1,19 +1,14 @@
-"""Error histogram for the HTML report, rendered to an embeddable PNG (matplotlib, no display)."""
+"""Error histogram for the conversion report's HTML page, as PNG bytes."""
 
 from __future__ import annotations
 
-import base64
-import io
+import numpy as np
 
-import matplotlib
+from deploykit.report.figures import plt, png_bytes
+from deploykit.validation.compare import OutputComparison
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-import numpy as np  # noqa: E402
 
-from deploykit.validation.compare import OutputComparison  # noqa: E402
-
-def error_histogram_png(outputs: list[OutputComparison], title: str) -> str:
+def error_histogram_png(outputs: list[OutputComparison], title: str) -> bytes:
     """Histogram of log10 |reference - candidate| per output (exact matches counted in the legend)."""
     figure, axes = plt.subplots(figsize=(7.5, 3.2), dpi=110)
     for output in outputs:
@@ -28,8 +23,4 @@ def error_histogram_png(outputs: list[OutputComparison], title: str) -> str:
     axes.set_title(title, fontsize=10)
     if outputs:
         axes.legend(fontsize=8)
-    figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    plt.close(figure)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    return png_bytes(figure)

@@ -19,14 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import jinja2
-
 from deploykit import runtime
 from deploykit.errors import error_summary
 from deploykit.native.stderr import captured_stderr
-
-_TEMPLATES = jinja2.Environment(loader=jinja2.PackageLoader("deploykit.report", "templates"),
-                                autoescape=jinja2.select_autoescape(["html", "j2"]), undefined=jinja2.StrictUndefined)
 
 
 @dataclasses.dataclass
@@ -281,12 +276,8 @@ def _trt_reason(bundle: runtime.Bundle, device: str) -> str:
 
 def render_html(profile: dict, top: int = 20) -> str:
     """profile.html: per backend a chart of the top costs, a timeline of one run and the sorted table."""
-    import base64
-
     from deploykit.report.bench_plots import cost_bars_png, timeline_png
-
-    def encode(data: bytes) -> str:
-        return base64.b64encode(data).decode("ascii")
+    from deploykit.report.html import png_base64 as encode, render
 
     charts = {}
     for section in profile["sections"]:
@@ -298,5 +289,5 @@ def render_html(profile: dict, top: int = 20) -> str:
                                             f"{name}: top {len(layers)} layers")),
                 "timeline": encode(timeline_png(section["timeline"], f"{name}: one run")),
             }
-    return _TEMPLATES.get_template("profile.html.j2").render(profile=profile, charts=charts, top=top,
-                                                             generated=time.strftime("%Y-%m-%d %H:%M:%S"))
+    return render("profile.html.j2", profile=profile, charts=charts, top=top,
+                  generated=time.strftime("%Y-%m-%d %H:%M:%S"))

@@ -18,7 +18,7 @@ import onnx_ir as ir
 
 from deploykit.validation.compare import Tolerance, compare_output
 from deploykit.validation.layerwise import FLOAT_TYPES, LayerDiff, compare_layers, run_values
-from deploykit.passes.precision import FLOAT, PrecisionResult, apply_precision, emulate, source_name
+from deploykit.passes.precision import FLOAT, LOW_DTYPES, PrecisionResult, apply_precision, emulate, source_name
 
 #: Multiply-adds per output element are counted for these ops; others count one per element.
 _MATRIX_OPS = {"Conv", "ConvTranspose", "MatMul", "Gemm", "MatMulRelu"}
@@ -56,7 +56,7 @@ def find_culprits(graph: ir.Graph, diffs: list[LayerDiff], pinnable: set[str]) -
 
 def is_low(value: ir.Value | None) -> bool:
     """An fp16 or bf16 tensor."""
-    return value is not None and value.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+    return value is not None and value.dtype in LOW_DTYPES
 
 
 def _responsible(node: ir.Node, diff: LayerDiff, why: str):

@@ -21,10 +21,10 @@ import onnxruntime as ort
 
 from deploykit.backends.onnxruntime import loader
 from deploykit.validation.compare import Tolerance
-from deploykit.passes.precision import source_name, type_custom_op_outputs
+from deploykit.passes.precision import LOW_DTYPES, source_name, type_custom_op_outputs
 
 #: Tensors of these types are exposed and compared.
-FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+FLOAT_TYPES = (ir.DataType.FLOAT, *LOW_DTYPES)
 
 
 # --- running with intermediates ---------------------------------------------------------------
