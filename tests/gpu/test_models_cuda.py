@@ -23,7 +23,8 @@ CUDA = "CUDAExecutionProvider"
 if CUDA not in ort.get_available_providers():
     pytest.skip(f"onnxruntime {ort.__version__} has no {CUDA} (install onnxruntime-gpu)", allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "native"))
 import model_zoo  # noqa: E402
 import test_ort_library as ort_cases  # noqa: E402  (session and profile helpers)
 

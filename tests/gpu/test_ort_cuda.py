@@ -26,7 +26,7 @@ PROVIDERS = (CUDA, "CPUExecutionProvider")
 if CUDA not in ort.get_available_providers():
     pytest.skip(f"onnxruntime {ort.__version__} has no {CUDA} (install onnxruntime-gpu)", allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "native"))
 import test_ort_library as cases  # noqa: E402  (graph builders and numpy references)
 
 from deploykit.native import build as native  # noqa: E402

@@ -25,7 +25,7 @@ CUDA = "CUDAExecutionProvider"
 if CUDA not in ort.get_available_providers() or not torch.cuda.is_available():
     pytest.skip(f"needs a GPU and onnxruntime-gpu's {CUDA}", allow_module_level=True)
 
-TESTS = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parents[1] / "helpers"
 sys.path.insert(0, str(TESTS))
 import model_zoo  # noqa: E402
 

@@ -19,7 +19,7 @@ import deploykit
 from deploykit.native import build as native
 from test_runtime import converted
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def ort_library() -> Path:

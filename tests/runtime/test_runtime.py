@@ -60,7 +60,7 @@ def converted(name: str) -> Path:
     engine = ["--backend", "all", "--trt-targets", "8.6,12.0"] if name == "tabular" and _has_tensorrt() else []
     command = [sys.executable, "-m", "deploykit", "convert", weights, "--factory", f"model_zoo:{name}",
                "--input", MODELS[name], "--batch", "1:2:4", "-o", _WORK / name, *engine]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "helpers")}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr
     return _WORK / name

@@ -26,7 +26,7 @@ from deploykit.validation.compare import Tolerance, parse_tolerances
 from deploykit.validation.layerwise import compare_layers, run_values
 from deploykit.passes.precision import apply_precision, emulate, name_nodes
 from graph_helpers import make_model, tensor
-from test_convert_models import TESTS, convert
+from test_convert_models import PYTHONPATH, convert
 
 OFFSET = 3000.0  # fp16 spacing at 2048..4096 is 2: a spread of ~0.6 around it rounds away
 
@@ -74,7 +74,7 @@ def read(bundle) -> tuple[dict, dict]:
 
 
 def deploykit_debug(cwd, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "COLUMNS": "200"}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-m", "deploykit", "debug", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 

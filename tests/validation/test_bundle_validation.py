@@ -21,11 +21,12 @@ import model_zoo
 from deploykit.bundle.write import sha256_of
 from deploykit.testing import randomize_batch_norm
 
-TESTS = Path(__file__).parent
+# model_zoo, and this module for one_output until it moves into model_zoo
+PYTHONPATH = os.pathsep.join([str(Path(__file__).parents[1] / "helpers"), str(Path(__file__).parent)])
 
 
 def deploykit(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "COLUMNS": "160"}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "COLUMNS": "160"}
     return subprocess.run([sys.executable, "-m", "deploykit", *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=900)
 

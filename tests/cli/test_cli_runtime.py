@@ -21,11 +21,11 @@ from deploykit.tools import doctor
 from deploykit.runtime import open_bundle
 from test_runtime import converted, copy_bundle, edit_manifest
 
-TESTS = Path(__file__).parent
+HELPERS = Path(__file__).parents[1] / "helpers"
 
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "COLUMNS": "200"}
+    env = {**os.environ, "PYTHONPATH": str(HELPERS), "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-m", "deploykit", *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 
