@@ -1,13 +1,12 @@
-"""The test suite's shared set-up: the helper modules of tests/helpers import by name.
+"""The test suite's shared set-up: the helper modules of tests/helpers import by name
+(``import model_zoo``) in every test module, as they do in the CLI subprocesses that the tests
+start with tests/helpers on PYTHONPATH (``--factory model_zoo:NAME``, see helpers/deploykit_cli.py).
 
-Step one of the layout change: the test modules moved into folders that mirror deploykit's
-packages; until the shared code they import from each other moves into tests/helpers, the
-folders holding it are put on sys.path too.
+Test modules never import each other: what two of them share lives in tests/helpers. Their
+folders mirror deploykit's packages and hold no __init__.py, so their basenames must be unique.
 """
 
 import sys
 from pathlib import Path
 
-TESTS = Path(__file__).parent
-for folder in ("helpers", "conversion", "validation", "runtime", "native"):
-    sys.path.insert(0, str(TESTS / folder))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))

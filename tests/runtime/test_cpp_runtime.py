@@ -17,7 +17,7 @@ import pytest
 
 import deploykit
 from deploykit.native import build as native
-from test_runtime import converted
+from converted_bundles import converted
 
 ROOT = Path(__file__).resolve().parents[2]
 
