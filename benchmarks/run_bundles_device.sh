@@ -9,7 +9,7 @@
 set -uo pipefail
 : "${OUT:?set OUT to a results folder}"
 root=$(cd "$(dirname "$0")/.." && pwd)
-export PYTHONPATH="$root:$root/tests:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$root:$root/tests/helpers:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 work=${WORK:-/tmp/dk-bundles}
 mkdir -p "$work" "$OUT"
 stages=${*:-convert check bench-resnet50 bench-transformer}

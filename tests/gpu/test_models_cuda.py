@@ -9,9 +9,6 @@ in the provider so the comparison holds at fp32 tolerances.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -23,9 +20,8 @@ CUDA = "CUDAExecutionProvider"
 if CUDA not in ort.get_available_providers():
     pytest.skip(f"onnxruntime {ort.__version__} has no {CUDA} (install onnxruntime-gpu)", allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import model_zoo  # noqa: E402
-import test_ort_library as ort_cases  # noqa: E402  (session and profile helpers)
+import op_library_cases as ort_cases  # noqa: E402  (session and profile helpers)
 
 from deploykit.api import ConvertOptions, convert  # noqa: E402
 from deploykit.backends.torch.runner import flatten_outputs  # noqa: E402
@@ -49,7 +45,6 @@ def test_bundle_runs_our_cuda_kernels_and_matches_pytorch(tmp_path, monkeypatch,
     torch.manual_seed(0)
     model = randomize_batch_norm(getattr(model_zoo, name)(), seed=5)
     torch.save(model.state_dict(), tmp_path / "weights.pt")
-    monkeypatch.syspath_prepend(str(Path(model_zoo.__file__).parent))
     result = convert(ConvertOptions(
         model=tmp_path / "weights.pt", output=tmp_path / "bundle", factory=f"model_zoo:{name}",
         inputs=[InputSpec.parse(spec)], batch=BatchRange(1, 2, 5),

@@ -1,6 +1,6 @@
 """deploykit's ONNX Runtime op library on the CUDA execution provider (needs onnxruntime-gpu).
 
-The same hand-built graphs as tests/test_ort_library.py, run with
+The same hand-built graphs as tests/native/test_ort_library.py (tests/helpers/op_library_cases.py), run with
 providers [CUDAExecutionProvider, CPUExecutionProvider] and checked against numpy; ORT's
 profile must show our nodes assigned to CUDAExecutionProvider. Builds with
 DEPLOYKIT_CUDA_ARCHS=90 unless that variable is set. On an offline machine, point
@@ -10,7 +10,6 @@ DEPLOYKIT_CACHE at a cache prepared elsewhere with ``deploykit.native.build.fetc
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +25,7 @@ PROVIDERS = (CUDA, "CPUExecutionProvider")
 if CUDA not in ort.get_available_providers():
     pytest.skip(f"onnxruntime {ort.__version__} has no {CUDA} (install onnxruntime-gpu)", allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import test_ort_library as cases  # noqa: E402  (graph builders and numpy references)
+import op_library_cases as cases  # noqa: E402  (graph builders and numpy references)
 
 from deploykit.native import build as native  # noqa: E402
 

@@ -10,7 +10,6 @@ touched the model.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,19 +24,12 @@ CUDA = "CUDAExecutionProvider"
 if CUDA not in ort.get_available_providers() or not torch.cuda.is_available():
     pytest.skip(f"needs a GPU and onnxruntime-gpu's {CUDA}", allow_module_level=True)
 
-TESTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(TESTS))
 import model_zoo  # noqa: E402
 
 import deploykit  # noqa: E402
 from deploykit.runtime import random_inputs  # noqa: E402
 from deploykit.testing import randomize_batch_norm  # noqa: E402
-
-
-def deploykit_cli(*args) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "deploykit", *map(str, args)], env=env, capture_output=True,
-                          text=True, timeout=900)
+from deploykit_cli import run_deploykit  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +40,7 @@ def bundles(tmp_path_factory) -> Path:
     weights = folder / "tabular.pt"
     torch.save(randomize_batch_norm(model_zoo.tabular(), seed=2).state_dict(), weights)
     for precision in ("fp32", "fp16"):
-        result = deploykit_cli("convert", weights, "--factory", "model_zoo:tabular", "--input", "features:1x13",
+        result = run_deploykit("convert", weights, "--factory", "model_zoo:tabular", "--input", "features:1x13",
                                "--batch", "1:4:8", "--precision", precision, "-o", folder / precision)
         assert result.returncode == 0, result.stderr
     return folder
@@ -93,7 +85,7 @@ def test_device_arrays_without_torch(bundles, tmp_path):
 
 def test_bench_times_every_gpu_contender_with_cuda_events(bundles, tmp_path):
     weights = bundles / "tabular.pt"
-    result = deploykit_cli("bench", bundles / "fp16", "--model", weights, "--factory", "model_zoo:tabular",
+    result = run_deploykit("bench", bundles / "fp16", "--model", weights, "--factory", "model_zoo:tabular",
                            "--export-plain", "--baseline", bundles / "fp32", "--device", "cuda", "--batch", "1,8",
                            "--iterations", "20", "--warmup", "3", "--json", "-o", tmp_path)
     assert result.returncode == 0, result.stderr

@@ -4,9 +4,13 @@ torchvision and timm models are built with random weights (nothing can be downlo
 tests save state_dicts of instances whose BatchNorm statistics were randomised.
 """
 
+from pathlib import Path
+
 import torch
 import torchvision
 from torch import nn
+
+from deploykit.testing import randomize_batch_norm
 
 
 def resnet18() -> nn.Module:
@@ -142,8 +146,6 @@ def image_and_tokens() -> nn.Module:
     return ImageAndTokens()
 
 
-
-
 class Block(nn.Module):
     """Pre-norm transformer block: attention and an MLP, each behind a LayerNorm."""
 
@@ -175,3 +177,56 @@ class SmallTransformer(nn.Module):
 
 def small_transformer() -> nn.Module:
     return SmallTransformer()
+
+
+def one_output() -> nn.Module:
+    """Takes the tabular net's input but returns one output (a model the bundle was not made from)."""
+    return nn.Linear(13, 4)
+
+
+# --- models that plain fp16 conversion gets wrong (the tests of layer-wise debugging and auto-fix) ---
+
+ACTIVATION_OFFSET = 3000.0  # fp16 spacing at 2048..4096 is 2: a spread of ~0.6 around it rounds away
+
+
+class LargeActivationNorm(nn.Module):
+    """Embeddings around 3000 with a small spread, then LayerNorm and a classifier."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.norm, self.head = nn.Linear(16, 64), nn.LayerNorm(64), nn.Linear(64, 10)
+        with torch.no_grad():
+            self.embed.bias.add_(ACTIVATION_OFFSET)
+
+    def forward(self, x):
+        return self.head(self.norm(self.embed(x)))
+
+
+class SumPooling(nn.Module):
+    """Sum pooling over 256 tokens: far inside fp16 on N(0, 1) inputs, beyond it at raw scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.head = nn.Linear(32, 64), nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.proj(x)).sum(dim=1))
+
+
+def large_activation_norm() -> nn.Module:
+    return LargeActivationNorm()
+
+
+def sum_pooling() -> nn.Module:
+    return SumPooling()
+
+
+# --- weights -------------------------------------------------------------------------------------
+
+
+def save_ddp_state_dict(name: str, path: Path) -> None:
+    """Weights of the model ``name`` with randomised BatchNorm statistics, saved the way DDP saves
+    them (``module.`` prefixes)."""
+    torch.manual_seed(0)
+    model = randomize_batch_norm(globals()[name](), seed=1)
+    torch.save({"state_dict": {f"module.{k}": v for k, v in model.state_dict().items()}}, path)

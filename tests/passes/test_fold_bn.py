@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from deploykit.passes import run_passes
-from graph_helpers import batch_norm, make_model, output, run_ort, tensor
+from onnx_graphs import batch_norm, make_model, output, run_ort, tensor
 
 BATCH = 3
 

@@ -1,6 +1,6 @@
 """``deploykit run | inspect | doctor | bench | profile`` through the CLI, on small bundles, on the CPU.
 
-Bundles come from ``test_runtime.converted`` (converted once per session). Doctor's rules are
+Bundles come from ``converted_bundles.converted`` (converted once per session). Doctor's rules are
 also tested on made-up machines (an H200, a torch without kernels for the GPU), since this
 one has no GPU.
 """
@@ -8,9 +8,7 @@ one has no GPU.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,15 +17,12 @@ import pytest
 import deploykit
 from deploykit.tools import doctor
 from deploykit.runtime import open_bundle
-from test_runtime import converted, copy_bundle, edit_manifest
-
-TESTS = Path(__file__).parent
+from converted_bundles import converted, copy_bundle, edit_manifest
+from deploykit_cli import run_deploykit
 
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "deploykit", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return run_deploykit(*args, cwd=cwd, columns=200, timeout=600)
 
 
 @pytest.fixture(scope="module")

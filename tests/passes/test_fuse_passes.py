@@ -14,7 +14,7 @@ from onnx import helper
 
 from deploykit.ops import DOMAIN, custom_op_types
 from deploykit.passes import run_passes
-from graph_helpers import batch_norm, make_model, run_ort, tensor
+from onnx_graphs import batch_norm, make_model, run_ort, tensor
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ try:
 except EnvironmentProblem as problem:
     pytest.skip(f"TensorRT-RTX is not importable ({problem})", allow_module_level=True)
 
-TEST_CUDA_ARCHS = "90"  # one architecture keeps the compile short; tests/test_ort_library.py shares the build
+TEST_CUDA_ARCHS = "90"  # one architecture keeps the compile short; tests/native/test_ort_library.py shares the build
 TARGETS = ["8.6", "12.0"]
 BATCH = (1, 4, 16)
 CHANNELS = 8

@@ -1,22 +1,17 @@
 """``deploykit.load``: a bundle runs only when it is the one deploykit validated, and takes
 numpy arrays or torch tensors by name.
 
-Bundles are converted once per session (``converted``), in process, from ``model_zoo``
+Bundles are converted once per session (``converted_bundles.converted``) from ``model_zoo``
 models; the tabular one also carries a TensorRT-RTX engine when TensorRT-RTX is installed
 (it cannot run here: no GPU), so the backend choice and its refusals are tested on the CPU.
 """
 
 from __future__ import annotations
 
-import atexit
-import functools
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -28,53 +23,7 @@ import deploykit
 from deploykit import runtime
 from deploykit.bundle.format import sha256_of
 from deploykit.errors import BadInputError, EnvironmentProblem, ValidationFailed
-from deploykit.testing import randomize_batch_norm
-
-MODELS = {"tabular": "features:1x13", "transformer_mlp": "tokens:1x9x40"}
-_WORK = Path(tempfile.mkdtemp(prefix="deploykit-runtime-tests-"))
-atexit.register(shutil.rmtree, _WORK, ignore_errors=True)
-
-
-def _has_tensorrt() -> bool:
-    try:
-        from deploykit.backends.tensorrt import shim
-
-        shim.load_tensorrt()
-        return True
-    except Exception:  # noqa: BLE001 - any failure means no TensorRT here
-        return False
-
-
-@functools.cache
-def converted(name: str) -> Path:
-    """A bundle of model_zoo's ``name`` with batch 1:2:4 (tabular: with an engine where possible).
-
-    Converted by the CLI in a subprocess, as users do: an in-process TensorRT build would
-    register our plugin library in this process, and other tests register their own build.
-    """
-    import model_zoo
-
-    torch.manual_seed(0)
-    weights = _WORK / f"{name}.pt"
-    torch.save(randomize_batch_norm(getattr(model_zoo, name)(), seed=1).state_dict(), weights)
-    engine = ["--backend", "all", "--trt-targets", "8.6,12.0"] if name == "tabular" and _has_tensorrt() else []
-    command = [sys.executable, "-m", "deploykit", "convert", weights, "--factory", f"model_zoo:{name}",
-               "--input", MODELS[name], "--batch", "1:2:4", "-o", _WORK / name, *engine]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr
-    return _WORK / name
-
-
-def copy_bundle(name: str, destination: Path) -> Path:
-    return Path(shutil.copytree(converted(name), destination / name))
-
-
-def edit_manifest(bundle: Path, change) -> None:
-    path = bundle / "manifest.json"
-    manifest = json.loads(path.read_text())
-    change(manifest)
-    path.write_text(json.dumps(manifest))
+from converted_bundles import converted, copy_bundle, edit_manifest
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,9 @@ import pytest
 
 import deploykit
 from deploykit.native import build as native
-from test_runtime import converted
+from converted_bundles import converted
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def ort_library() -> Path:

@@ -7,38 +7,27 @@ through the CLI; every check runs the CLI as users do and reads its exit code an
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 import model_zoo
 from deploykit.bundle.format import sha256_of
 from deploykit.testing import randomize_batch_norm
-
-TESTS = Path(__file__).parent
+from deploykit_cli import run_deploykit
 
 
 def deploykit(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "COLUMNS": "160"}
-    return subprocess.run([sys.executable, "-m", "deploykit", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=900)
+    return run_deploykit(*args, cwd=cwd, columns=160)
 
 
 def save_tabular(path: Path, seed: int) -> Path:
     torch.manual_seed(seed)
     torch.save(randomize_batch_norm(model_zoo.tabular(), seed=seed + 1).state_dict(), path)
     return path
-
-
-def one_output() -> nn.Module:
-    """Takes the tabular net's input but returns one output (a model the bundle was not made from)."""
-    return nn.Linear(13, 4)
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +86,13 @@ def test_a_tolerance_of_the_users_decides(work):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--factory", "test_bundle_validation:one_output"], "returns 1 output(s), the bundle 2 (output_0, output_1)"),
+    (["--factory", "model_zoo:one_output"], "returns 1 output(s), the bundle 2 (output_0, output_1)"),
     (["--factory", "model_zoo:tabular", "--inputs", "data.npz", "--batch", "2"], "--batch applies to random inputs"),
 ])
 def test_bad_requests_get_one_line_and_exit_2(work, args, message):
     np.savez(work / "data.npz", features=np.zeros((2, 13), np.float32))
     if "one_output" in args[1]:
-        torch.save(one_output().state_dict(), work / "tabular.pt.one")
+        torch.save(model_zoo.one_output().state_dict(), work / "tabular.pt.one")
         model = "tabular.pt.one"
     else:
         model = "tabular.pt"

@@ -11,7 +11,9 @@ import json
 import pytest
 
 from deploykit.native import build as native
-from test_convert_models import convert, custom_op_counts, save_ddp_state_dict
+from bundle_reports import custom_op_counts
+from deploykit_cli import convert
+from model_zoo import save_ddp_state_dict
 
 tensorrt = pytest.importorskip("deploykit.backends.tensorrt.shim")
 try:

@@ -24,10 +24,10 @@ from deploykit.passes.precision import (
     apply_precision, check_precision, emulate, float_io, name_nodes, source_name,
 )
 from deploykit.conversion.precision import ort_cpu_missing_kernels, typed_runner
-from graph_helpers import make_model, run_ort, tensor
+from deploykit_cli import convert
 import model_zoo
-import test_debug
-from test_convert_models import convert, save_ddp_state_dict
+from model_zoo import save_ddp_state_dict
+from onnx_graphs import make_model, run_ort, tensor
 
 HALF, BF16, FLOAT = TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.FLOAT
 
@@ -376,8 +376,8 @@ def test_convert_builds_a_typed_engine_with_our_fp16_plugin(tmp_path):
     except Exception as problem:  # noqa: BLE001
         pytest.skip(f"TensorRT-RTX is not importable ({problem})")
     torch.manual_seed(0)
-    torch.save(test_debug.sum_pooling().state_dict(), tmp_path / "weights.pt")
-    report = precision_report(tmp_path, "weights.pt", "--factory", "test_debug:sum_pooling", "--input", "x:1x256x32",
+    torch.save(model_zoo.sum_pooling().state_dict(), tmp_path / "weights.pt")
+    report = precision_report(tmp_path, "weights.pt", "--factory", "model_zoo:sum_pooling", "--input", "x:1x256x32",
                               "--batch", "1:2:4", "--precision", "fp16", "--backend", "tensorrt", "--trt-targets", "8.6",
                               "--tolerance", SUM_POOLING_FP16)
     (engine,) = report["engines"]

@@ -6,10 +6,7 @@ BatchNorm statistics, saved the way DDP saves it (``module.`` prefixes).
 
 import hashlib
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +15,11 @@ import pytest
 import torch
 
 import model_zoo
+from bundle_reports import custom_op_counts
 from deploykit.testing import randomize_batch_norm
+from deploykit_cli import convert
+from model_zoo import save_ddp_state_dict
 
-TESTS = Path(__file__).parent
 # model factory -> (input spec without batch, deploykit ops the graph must end up with)
 MODELS = {
     "resnet18": ("x:1x3x67x53", {}),
@@ -44,18 +43,6 @@ EXPECTED_RULES = {
 }
 
 
-def convert(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "deploykit", "convert", *args]
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "COLUMNS": "120"}
-    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-
-
-def save_ddp_state_dict(name: str, path: Path) -> None:
-    torch.manual_seed(0)
-    model = randomize_batch_norm(getattr(model_zoo, name)(), seed=1)
-    torch.save({"state_dict": {f"module.{k}": v for k, v in model.state_dict().items()}}, path)
-
-
 def check_bundle(out: Path, input_names: list[str]) -> dict:
     manifest = json.loads((out / "manifest.json").read_text())
     report = json.loads((out / "report.json").read_text())
@@ -68,10 +55,6 @@ def check_bundle(out: Path, input_names: list[str]) -> dict:
     assert all(i.type.tensor_type.shape.dim[0].dim_param for i in model.graph.input), "batch must be dynamic"
     assert (out / "report.html").read_text().count("PASS") >= 1
     return report
-
-
-def custom_op_counts(report: dict) -> dict[str, int]:
-    return {op["name"]: op["after"] for op in report["graph"]["ops"] if op["name"].startswith("deploykit::")}
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
-"""Layer-wise comparison and auto-fix (deploykit/layerwise.py, auto_fix.py, ``deploykit debug``, ``--auto-fix``).
+"""Layer-wise comparison and auto-fix (deploykit/validation/layerwise.py, auto_fix.py, ``deploykit debug``, ``--auto-fix``).
 
-Two models that plain fp16 conversion gets wrong, for the two reasons users meet most:
+Two models of model_zoo that plain fp16 conversion gets wrong, for the two reasons users meet most:
 LayerNorm over large activations (the values fit fp16 but their spread does not survive its
 rounding) and a sum that overflows fp16 on real-scale data. Both must fail, be diagnosed by
 name, and pass once the named nodes are pinned to fp32.
@@ -9,10 +9,8 @@ name, and pass once the named nodes are pinned to fp32.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import onnx
@@ -20,49 +18,15 @@ import onnx_ir as ir
 import pytest
 import torch
 from onnx import helper
-from torch import nn
 
 from deploykit.validation.auto_fix import FixProblem, auto_fix, find_culprits
 from deploykit.validation.compare import Tolerance, parse_tolerances
 from deploykit.validation.layerwise import compare_layers, run_values
 from deploykit.passes.precision import apply_precision, emulate, name_nodes
 from deploykit.tools.debug import open_bundle
-from graph_helpers import make_model, tensor
-from test_convert_models import TESTS, convert
-
-OFFSET = 3000.0  # fp16 spacing at 2048..4096 is 2: a spread of ~0.6 around it rounds away
-
-
-class LargeActivationNorm(nn.Module):
-    """Embeddings around 3000 with a small spread, then LayerNorm and a classifier."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed, self.norm, self.head = nn.Linear(16, 64), nn.LayerNorm(64), nn.Linear(64, 10)
-        with torch.no_grad():
-            self.embed.bias.add_(OFFSET)
-
-    def forward(self, x):
-        return self.head(self.norm(self.embed(x)))
-
-
-class SumPooling(nn.Module):
-    """Sum pooling over 256 tokens: far inside fp16 on N(0, 1) inputs, beyond it at raw scale."""
-
-    def __init__(self):
-        super().__init__()
-        self.proj, self.head = nn.Linear(32, 64), nn.Linear(64, 10)
-
-    def forward(self, x):
-        return self.head(torch.relu(self.proj(x)).sum(dim=1))
-
-
-def large_activation_norm() -> nn.Module:
-    return LargeActivationNorm()
-
-
-def sum_pooling() -> nn.Module:
-    return SumPooling()
+from deploykit_cli import convert, run_deploykit
+from model_zoo import ACTIVATION_OFFSET, large_activation_norm, sum_pooling
+from onnx_graphs import make_model, tensor
 
 
 def save(tmp_path, factory) -> str:
@@ -76,9 +40,7 @@ def read(bundle) -> tuple[dict, dict]:
 
 
 def deploykit_debug(cwd, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "deploykit", "debug", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return run_deploykit("debug", *args, cwd=cwd, columns=200, timeout=600)
 
 
 def reader_of(model: onnx.ModelProto, op_type: str) -> str:
@@ -89,7 +51,7 @@ def reader_of(model: onnx.ModelProto, op_type: str) -> str:
 
 # --- LayerNorm over large activations -------------------------------------------------------------
 
-LN_ARGS = ("--factory", "test_debug:large_activation_norm", "--input", "x:1x16", "--batch", "1:2:4", "--precision", "fp16")
+LN_ARGS = ("--factory", "model_zoo:large_activation_norm", "--input", "x:1x16", "--batch", "1:2:4", "--precision", "fp16")
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +150,7 @@ def test_manifest_records_io_precision_and_debug_reads_it_from_there(tmp_path):
 
 # --- a sum that overflows fp16 ------------------------------------------------------------------
 
-SUM_ARGS = ("--factory", "test_debug:sum_pooling", "--input", "x:1x256x32", "--batch", "1:2:4",
+SUM_ARGS = ("--factory", "model_zoo:sum_pooling", "--input", "x:1x256x32", "--batch", "1:2:4",
             "--precision", "fp16", "--inputs", "data.npz")
 
 
@@ -237,7 +199,7 @@ def test_fp16_sum_overflow_fails_and_auto_fix_pins_its_reader(tmp_path):
 def test_layerwise_finds_the_first_differing_node_of_an_fp32_bundle(tmp_path):
     """fp32: the bundle as deployed (our MatMulRelu kernel) against its ONNX semantics, then
     against a graph whose head weight differs: that Gemm is the first node to diverge."""
-    result = convert(tmp_path, save(tmp_path, sum_pooling), "--factory", "test_debug:sum_pooling",
+    result = convert(tmp_path, save(tmp_path, sum_pooling), "--factory", "model_zoo:sum_pooling",
                      "--input", "x:2x256x32", "-o", "bundle")
     assert result.returncode == 0, result.stderr
     same = deploykit_debug(tmp_path, "bundle", "--json")
@@ -267,7 +229,7 @@ def stacked_norms(stages: int) -> onnx.ModelProto:
     for i in range(stages):
         nodes += [helper.make_node("Gemm", [x, f"w{i}", f"b{i}"], [f"g{i}"], name=f"gemm{i}"),
                   helper.make_node("LayerNormalization", [f"g{i}", "one", "zero"], [f"n{i}"], name=f"norm{i}")]
-        inits += [tensor(f"w{i}", rng.normal(0, 0.15, (16, 16))), tensor(f"b{i}", np.full(16, OFFSET))]
+        inits += [tensor(f"w{i}", rng.normal(0, 0.15, (16, 16))), tensor(f"b{i}", np.full(16, ACTIVATION_OFFSET))]
         x = f"n{i}"
     nodes.append(helper.make_node("Gemm", [x, "head"], ["y"], name="head"))
     inits += [tensor("one", np.ones(16)), tensor("zero", np.zeros(16)), tensor("head", rng.normal(0, 0.3, (16, 5)))]

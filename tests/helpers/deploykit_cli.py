@@ -1,0 +1,29 @@
+"""The deploykit CLI in a subprocess, as users run it.
+
+The subprocess finds this folder on PYTHONPATH, so ``--factory model_zoo:NAME`` names a factory
+of this folder's model_zoo.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HELPERS = Path(__file__).resolve().parent
+
+
+def run_deploykit(*args, cwd: Path | None = None, columns: int | None = None,
+                  timeout: float = 900) -> subprocess.CompletedProcess:
+    """``python -m deploykit ARGS`` in ``cwd``; ``columns`` is the width its tables are printed at."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HELPERS), os.environ.get("PYTHONPATH")]))}
+    if columns is not None:
+        env["COLUMNS"] = str(columns)
+    return subprocess.run([sys.executable, "-m", "deploykit", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def convert(cwd: Path, *args) -> subprocess.CompletedProcess:
+    """``deploykit convert ARGS`` in ``cwd``, its tables 120 columns wide."""
+    return run_deploykit("convert", *args, cwd=cwd, columns=120)
