@@ -93,29 +93,45 @@ def validate(
     misses = [(result, index, output) for result in results for index, run in enumerate(result.runs)
               for output in run.outputs if output.may_be_rounding]
     if misses:
-        # the peer's first: whether it passes decides whether its error counts as rounding
-        misses.sort(key=lambda miss: miss[0].label != fp32_peer)
         peer = next((result for result in results if result.label == fp32_peer), None)
         _judge_by_float64(reference, feed_sets, references, actuals, misses, peer)
     return results
 
 
 def _judge_by_float64(reference, feed_sets, references, actuals, misses, peer) -> None:
-    """Run the reference in float64 on the feed sets that need it and judge each miss by it
-    (``peer``: the fp32 peer's validation, or None)."""
+    """Run the reference in float64 on every feed set and judge each miss by it (``peer``: the
+    fp32 peer's validation, or None). The peer is judged first, by PyTorch's rounding alone;
+    where it then passes, its error counts as fp32 rounding for the other candidates."""
     try:
         exact_runner = reference.in_float64()
-        exact = {index: exact_runner.run(feed_sets[index]) for index in sorted({m[1] for m in misses})}
+        exact = [exact_runner.run(feeds) for feeds in feed_sets]
     except Exception as error:  # a model that fixes its dtypes cannot run in float64: keep the verdict
         for _, _, output in misses:
             output.metrics["float64"] = {"unavailable": error_summary(error)[:200]}
         return
+    # fp32 rounding of the model on each input: PyTorch's own error, then also the peer's where it passes
+    rounding = {name: [max_abs_error(expected[name], exact[i][name]) for i, expected in enumerate(references)]
+                for name in references[0]}
     for result, index, output in misses:
-        name, peer_error = output.name, None
-        if peer is not None and result is not peer and peer.runs[index].output(name).passed:
-            peer_error = max_abs_error(actuals[peer.label][index][name], exact[index][name])
-        output.judge_by_float64(references[index][name], actuals[result.label][index][name],
-                                exact[index][name], peer_error)
+        if result is peer:
+            _judge(output, index, references, actuals[result.label], exact, rounding, None)
+    peer_errors = {}
+    if peer is not None:
+        for name, errors in rounding.items():
+            peer_errors[name] = [max_abs_error(actuals[peer.label][i][name], exact[i][name])
+                                 if run.output(name).passed else None for i, run in enumerate(peer.runs)]
+            rounding[name] = [max(error, peer or 0.0) for error, peer in zip(errors, peer_errors[name])]
+    for result, index, output in misses:
+        if result is not peer:
+            peer_error = peer_errors[output.name][index] if peer_errors else None
+            _judge(output, index, references, actuals[result.label], exact, rounding, peer_error)
+
+
+def _judge(output, index, references, actual, exact, rounding, peer_error) -> None:
+    """Judge one miss by float64, with the largest fp32 rounding seen on the other inputs as well."""
+    name = output.name
+    elsewhere = max((error for i, error in enumerate(rounding[name]) if i != index), default=0.0)
+    output.judge_by_float64(references[index][name], actual[index][name], exact[index][name], peer_error, elsewhere)
 
 
 def _batch_size(feeds: dict[str, np.ndarray]) -> int:
