@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from deploykit.cli._common import handle_errors
+
 import model_zoo
 import mounts
 from deploykit_cli import HELPERS, run_deploykit
@@ -128,3 +130,12 @@ def test_a_signalled_convert_exits_130_and_leaves_nothing(tmp_path, weights, sig
     assert "interrupted" in rest and "Traceback" not in rest, rest
     assert not out.exists()
     assert hidden(tmp_path) == []
+
+
+def test_sigterm_in_any_command_exits_130_and_restores_the_handler():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exited:
+        with handle_errors(verbose=False):
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert exited.value.code == 130
+    assert signal.getsignal(signal.SIGTERM) is before
