@@ -13,6 +13,8 @@ EXIT_VALIDATION_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_ENVIRONMENT = 3
 EXIT_INTERNAL = 4
+#: SIGINT or SIGTERM stopped the command (128 + SIGINT, as shells report it).
+EXIT_INTERRUPTED = 130
 
 
 class DeployKitError(Exception):

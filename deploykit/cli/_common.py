@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -32,19 +34,41 @@ EXISTING_FILE = click.Path(path_type=Path, exists=True, dir_okay=False)
 
 @contextlib.contextmanager
 def handle_errors(verbose: bool):
-    """Turn an exception into one line and its exit code (2, 3 or 4); the traceback only with --verbose."""
+    """Turn an exception into one line and its exit code (2, 3 or 4); the traceback only with --verbose.
+
+    SIGTERM stops the command as Ctrl-C does: what it was writing is cleaned up on the way out
+    (a staged bundle is removed, an old one stays) and it exits 130.
+    """
     if not verbose:  # torch's deprecation chatter is noise to a user converting a model
         warnings.simplefilter("ignore")
     try:
-        yield
+        with _sigterm_interrupts():
+            yield
     except errors.DeployKitError as error:
         _fail(str(error), error.exit_code, verbose)
     except KeyboardInterrupt:
         console.print("[red]interrupted[/]; nothing was written")
-        sys.exit(errors.EXIT_INTERNAL)
+        sys.exit(errors.EXIT_INTERRUPTED)
     except Exception as error:  # anything unforeseen is our bug: say so, exit 4
         hint = "" if verbose else " (run with --verbose for the traceback)"
         _fail(f"{type(error).__name__}: {error}{hint}; please report it", errors.EXIT_INTERNAL, verbose)
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """Raise KeyboardInterrupt on SIGTERM while the block runs (signals reach the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(_signum, _frame):
+    raise KeyboardInterrupt
 
 
 def _fail(message: str, code: int, verbose: bool) -> None:

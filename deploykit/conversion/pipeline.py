@@ -60,7 +60,7 @@ def _no_stage(_title: str):
 
 def convert(options: ConvertOptions, stage=_no_stage) -> ConvertResult:
     """Convert, validate and bundle a model. ``stage(title)`` wraps each step (progress display)."""
-    bundle.check_destination(Path(options.output).absolute(), options.force)
+    bundle.prepare_destination(Path(options.output).absolute(), options.force)
     check_precision(options.precision, options.io_precision, options.auto_fix)
     state = ConversionState(options)
     for step in STEPS:

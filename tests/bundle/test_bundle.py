@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from deploykit.bundle.format import MANIFEST
+from deploykit.bundle.format import FORMAT, MANIFEST
 from deploykit.bundle.read import read_manifest
 from deploykit.bundle.write import check_destination, staged_bundle
 from deploykit.errors import BadInputError
@@ -40,11 +40,11 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 
 def write_bundle(out_dir: Path, force: bool = False, files: dict[str, bytes] | None = None,
                  **manifest_fields) -> Path:
-    """Publish a bundle holding ``files`` and a manifest with ``manifest_fields``."""
+    """Publish a bundle holding ``files`` and a manifest with deploykit's format tag and ``manifest_fields``."""
     with staged_bundle(out_dir, force) as (staging, manifest):
         for name, data in (files or {"model.onnx": b"abc"}).items():
             (staging / name).write_bytes(data)
-        manifest.update(manifest_fields)
+        manifest.update({"format": FORMAT, **manifest_fields})
     return out_dir
 
 

@@ -271,6 +271,11 @@ def test_existing_output_dir_needs_force(tmp_path, out, scripted):
     assert_rejected(result, "error:", "already exists", "--force")
     assert_nothing_left(out, before)
 
+    result = convert(tmp_path, scripted, "-o", out, "--input", INPUT, "--force")  # not a bundle: kept
+    assert_rejected(result, "error:", "neither a deploykit bundle nor empty", "choose another -o")
+    assert_nothing_left(out, before)
+
+    (out / "keep.txt").unlink()
     result = convert(tmp_path, scripted, "-o", out, "--input", INPUT, "--force")
     assert result.returncode == 0, result.stderr
     assert {p.name for p in out.iterdir()} == BUNDLE_FILES
