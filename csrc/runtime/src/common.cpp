@@ -2,7 +2,6 @@
 #include <dlfcn.h>
 #include <sys/stat.h>
 
-#include <algorithm>
 #include <cctype>
 #include <cstring>
 #include <fstream>
