@@ -38,6 +38,8 @@ ORT_DEBIAN_SUITE = "trixie"
 ORT_DEBIAN_PACKAGE = "libonnxruntime-dev"
 KERNEL_LENS = "kernel-lens==2.0.1"  # ships TensorRT 10.14 headers in kernel_lens/include/tensorrt/
 KERNEL_LENS_HEADERS = "kernel_lens/include/tensorrt/"
+NLOHMANN_JSON = "nlohmann-json==3.12.0"  # ships nlohmann/json's headers in nlohmann_json/include/
+NLOHMANN_JSON_HEADERS = "nlohmann_json/include/"
 NETWORK_TIMEOUT_S = "30"
 CUBLAS_INSTALL_HINT = "pip install nvidia-cublas, or set CUBLAS_ROOT"
 
@@ -255,6 +257,12 @@ def tensorrt_headers(verbose: bool = False) -> tuple[Path | None, Disabled | Non
     return TENSORRT_HEADERS.find(verbose)
 
 
+def json_headers(verbose: bool = False) -> tuple[Path | None, Disabled | None]:
+    """nlohmann/json.hpp (the C++ runtime reads manifests with it): $NLOHMANN_JSON_ROOT/include,
+    else the nlohmann-json wheel's, fetched into the cache."""
+    return JSON_HEADERS.find(verbose)
+
+
 def cublas_headers(verbose: bool = False) -> tuple[Path | None, Disabled | None]:
     """cublasLt.h: $CUBLAS_ROOT, else the nvidia-cublas wheel installed with torch."""
     roots = [Path(os.environ["CUBLAS_ROOT"])] if os.environ.get("CUBLAS_ROOT") else []
@@ -445,23 +453,41 @@ TRT_INSTALL_HINT = "set TENSORRT_ROOT to an unpacked TensorRT 10 release"
 
 
 def _fetch_kernel_lens_trt(staging: Path, verbose: bool) -> None:
-    """Download the kernel-lens wheel (no dependencies, not installed) and unzip its TensorRT headers."""
+    """Unzip the TensorRT headers of the kernel-lens wheel."""
+    _fetch_wheel_headers(staging, KERNEL_LENS, KERNEL_LENS_HEADERS, "NvInferRuntime.h", TRT_INSTALL_HINT,
+                         verbose, flatten=True)
+
+
+JSON_INSTALL_HINT = "set NLOHMANN_JSON_ROOT to an unpacked nlohmann/json release"
+
+
+def _fetch_nlohmann_json(staging: Path, verbose: bool) -> None:
+    """Unzip the headers of the nlohmann-json wheel, keeping their nlohmann/ folders."""
+    _fetch_wheel_headers(staging, NLOHMANN_JSON, NLOHMANN_JSON_HEADERS, "nlohmann/json.hpp", JSON_INSTALL_HINT,
+                         verbose, flatten=False)
+
+
+def _fetch_wheel_headers(staging: Path, requirement: str, prefix: str, marker: str, hint: str, verbose: bool,
+                         flatten: bool) -> None:
+    """Download a wheel (no dependencies, not installed) and unzip its headers under ``prefix`` into
+    ``staging/include`` (one flat folder, or the folders below ``prefix``)."""
     with tempfile.TemporaryDirectory(prefix="deploykit-pip-") as work:
         _run_fetch([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                     "--disable-pip-version-check", "--timeout", NETWORK_TIMEOUT_S, "--retries", "1",
-                    "-d", work, KERNEL_LENS],
-                   f"pip download {KERNEL_LENS}", TRT_INSTALL_HINT, verbose)
-        wheels = sorted(Path(work).glob("kernel_lens-*.whl"))
+                    "-d", work, requirement],
+                   f"pip download {requirement}", hint, verbose)
+        wheels = sorted(Path(work).glob("*.whl"))
         if not wheels:
-            raise _FetchFailed(f"pip download {KERNEL_LENS} left no wheel", TRT_INSTALL_HINT)
+            raise _FetchFailed(f"pip download {requirement} left no wheel", hint)
         with zipfile.ZipFile(wheels[0]) as wheel:
-            members = [m for m in wheel.namelist() if m.startswith(KERNEL_LENS_HEADERS) and m.endswith(".h")]
-            if not any(m.endswith("/NvInferRuntime.h") for m in members):
-                raise _FetchFailed(f"{wheels[0].name} has no TensorRT headers", TRT_INSTALL_HINT)
-            (staging / "include").mkdir(parents=True)
+            members = [m for m in wheel.namelist() if m.startswith(prefix) and m.endswith((".h", ".hpp"))]
+            if not any(m.endswith("/" + marker) for m in members):
+                raise _FetchFailed(f"{wheels[0].name} has no {marker}", hint)
             for member in members:
-                (staging / "include" / Path(member).name).write_bytes(wheel.read(member))
-        (staging / "SOURCE").write_text(f"{wheels[0].name}: {KERNEL_LENS_HEADERS}\n")
+                target = staging / "include" / (Path(member).name if flatten else member[len(prefix):])
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(wheel.read(member))
+        (staging / "SOURCE").write_text(f"{wheels[0].name}: {prefix}\n")
 
 
 def _run_fetch(command: list[str], what: str, hint: str, verbose: bool, cwd: Path | None = None) -> None:
@@ -481,6 +507,8 @@ ORT_HEADERS = HeaderSet("onnxruntime", "ORT_ROOT", "onnxruntime_cxx_api.h", ("in
                         "include/onnxruntime", "ONNX Runtime release", _fetch_debian_ort)
 TENSORRT_HEADERS = HeaderSet("tensorrt", "TENSORRT_ROOT", "NvInferRuntime.h", ("include",), "include",
                              "TensorRT 10 release", _fetch_kernel_lens_trt)
+JSON_HEADERS = HeaderSet("nlohmann_json", "NLOHMANN_JSON_ROOT", "nlohmann/json.hpp", ("include",), "include",
+                         "nlohmann/json release", _fetch_nlohmann_json)
 
 
 # --------------------------------------------------------------------------- build

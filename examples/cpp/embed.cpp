@@ -1,20 +1,28 @@
 // Embedding deploykit's C++ runtime: open a bundle, feed it a tensor, read the outputs.
 //
-//   ./embed BUNDLE [onnxruntime|tensorrt]
+//   ./embed BUNDLE [onnxruntime|tensorrt] [--trust-bundle]
+//
+// The bundle's native code (its op library, an engine's plugins) is loaded only with consent
+// (Options::trust_native, here --trust-bundle); without it, deploykit ops run as ONNX functions.
 //
 // Inputs are filled with a ramp at batch 1 (dynamic dimensions become 1); a real program fills
 // Tensor::data from its own buffers (C order, the dtype the model declares).
 #include <cstdio>
+#include <string>
 
 #include "deploykit/runtime.hpp"
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: %s BUNDLE [onnxruntime|tensorrt]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s BUNDLE [onnxruntime|tensorrt] [--trust-bundle]\n", argv[0]);
     return 2;
   }
   deploykit::Options options;
-  if (argc > 2) options.backend = argv[2];
+  for (int i = 2; i < argc; ++i) {
+    if (std::string(argv[i]) == "--trust-bundle") options.trust_native = true;
+    else options.backend = argv[i];
+  }
+  options.op_library = options.trust_native;
   try {
     auto runner = deploykit::open_bundle(argv[1], options);
     deploykit::Tensors inputs;

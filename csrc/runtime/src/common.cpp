@@ -1,15 +1,14 @@
 // Tensors, .npy files, files and libraries: what both backends need.
-#include <dirent.h>
 #include <dlfcn.h>
 #include <sys/stat.h>
 
-#include <algorithm>
 #include <cctype>
 #include <cstring>
 #include <fstream>
 #include <numeric>
 #include <sstream>
 
+#include "bundle.hpp"
 #include "internal.hpp"
 
 namespace deploykit {
@@ -139,9 +138,12 @@ std::unique_ptr<Runner> open_bundle(const std::string& bundle, const Options& op
   if (!detail::file_exists(bundle + "/manifest.json")) {
     detail::fail(ErrorKind::BadInput, bundle + " is not a deploykit bundle (no manifest.json); run deploykit convert first");
   }
-  if (options.backend == "onnxruntime") return detail::open_onnxruntime(bundle, options);
-  if (options.backend == "tensorrt") return detail::open_tensorrt(bundle, options);
-  detail::fail(ErrorKind::BadInput, "backend " + options.backend + ": use onnxruntime or tensorrt");
+  if (options.backend != "onnxruntime" && options.backend != "tensorrt") {
+    detail::fail(ErrorKind::BadInput, "backend " + options.backend + ": use onnxruntime or tensorrt");
+  }
+  detail::Bundle checked(bundle);
+  if (options.backend == "onnxruntime") return detail::open_onnxruntime(checked, options);
+  return detail::open_tensorrt(checked, options);
 }
 
 namespace detail {
@@ -157,16 +159,6 @@ std::vector<unsigned char> read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(ErrorKind::BadInput, "cannot read " + path);
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-std::vector<std::string> list_dir(const std::string& directory) {
-  std::vector<std::string> names;
-  if (DIR* dir = opendir(directory.c_str())) {
-    while (dirent* entry = readdir(dir)) names.emplace_back(entry->d_name);
-    closedir(dir);
-  }
-  std::sort(names.begin(), names.end());
-  return names;
 }
 
 void* open_library(const std::vector<std::string>& candidates, const std::string& what, std::string* opened) {

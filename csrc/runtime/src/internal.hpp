@@ -12,11 +12,11 @@ namespace deploykit::detail {
 [[noreturn]] void fail(ErrorKind kind, const std::string& message);
 bool file_exists(const std::string& path);
 std::vector<unsigned char> read_file(const std::string& path);
-std::vector<std::string> list_dir(const std::string& directory);  // names, sorted
 void* open_library(const std::vector<std::string>& candidates, const std::string& what, std::string* opened);
 void check_input(const TensorInfo& info, const Tensor& tensor);
 
-std::unique_ptr<Runner> open_onnxruntime(const std::string& bundle, const Options& options);
-std::unique_ptr<Runner> open_tensorrt(const std::string& bundle, const Options& options);
+class Bundle;
+std::unique_ptr<Runner> open_onnxruntime(const Bundle& bundle, const Options& options);
+std::unique_ptr<Runner> open_tensorrt(const Bundle& bundle, const Options& options);
 
 }  // namespace deploykit::detail

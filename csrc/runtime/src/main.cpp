@@ -1,11 +1,12 @@
 // deploykit-run: run a deploykit bundle on .npy inputs and write its outputs as .npy files.
 //
 //   deploykit-run BUNDLE --input x=x.npy [--input ...] [--inputs DIR] [-o OUT_DIR]
-//                 [--backend onnxruntime|tensorrt] [--ort-library PATH] [--no-op-library]
-//                 [--threads N] [--tensorrt-library PATH] [--plugin PATH] [--engine FILE]
+//                 [--backend onnxruntime|tensorrt] [--trust-bundle] [--ort-library PATH]
+//                 [--op-library PATH | --no-op-library] [--threads N] [--tensorrt-library PATH] [--plugin PATH] [--engine FILE]
 //                 [--device N] [--repeat N]
 //
-// Exit codes as the Python CLI: 0 ok, 2 bad input or usage, 3 missing environment, 4 internal.
+// Native code from the bundle (its op library, an engine's plugins) loads only with --trust-bundle;
+// --op-library / --plugin bring your own build instead. Exit codes as the Python CLI: 0 ok, 2 bad input or usage, 3 missing environment, 4 internal.
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -17,9 +18,12 @@ namespace {
 
 const char* kUsage =
     "usage: deploykit-run BUNDLE (--input NAME=FILE.npy ... | --inputs DIR) [-o OUT_DIR]\n"
-    "         [--backend onnxruntime|tensorrt] [--ort-library PATH] [--no-op-library] [--threads N]\n"
+    "         [--backend onnxruntime|tensorrt] [--trust-bundle] [--ort-library PATH]\n"
+    "         [--op-library PATH | --no-op-library] [--threads N]\n"
     "         [--tensorrt-library PATH] [--plugin PATH] [--engine FILE] [--device N] [--repeat N]\n"
-    "Writes OUT_DIR/<output name>.npy (default OUT_DIR: the current directory).\n";
+    "Writes OUT_DIR/<output name>.npy (default OUT_DIR: the current directory).\n"
+    "--trust-bundle loads the bundle's own native code (op library, engine plugins); without it,\n"
+    "pass your own build (--op-library, --plugin) or --no-op-library.\n";
 
 struct Arguments {
   std::string bundle, inputs_dir, output_dir = ".";
@@ -64,6 +68,10 @@ Arguments parse(int argc, char** argv) {
       args.options.backend = value();
     } else if (arg == "--ort-library") {
       args.options.ort_library = value();
+    } else if (arg == "--trust-bundle") {
+      args.options.trust_native = true;
+    } else if (arg == "--op-library") {
+      args.options.op_library_path = value();
     } else if (arg == "--no-op-library") {
       args.options.op_library = false;
     } else if (arg == "--threads") {

@@ -3,7 +3,7 @@
 
 namespace deploykit::detail {
 
-std::unique_ptr<Runner> open_tensorrt(const std::string&, const Options&) {
+std::unique_ptr<Runner> open_tensorrt(const Bundle&, const Options&) {
   fail(ErrorKind::Environment, "deploykit's C++ runtime was built without TensorRT: configure csrc/runtime with "
                                "TENSORRT_INCLUDE_DIR and the CUDA toolkit");
 }

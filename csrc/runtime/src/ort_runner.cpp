@@ -1,4 +1,5 @@
-// The ONNX Runtime path: bundle/model.onnx in a session with the bundle's libdeploykit_ort.so.
+// The ONNX Runtime path: the manifest's model in a session with the bundle's op library (with consent)
+// or the caller's own.
 //
 // ONNX Runtime is dlopen'ed and reached through the OrtApi table it hands out
 // (ORT_API_MANUAL_INIT), so this file needs ORT's headers only and runs against any ORT whose
@@ -10,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "bundle.hpp"
 #include "internal.hpp"
 
 #ifndef DK_DEFAULT_ORT_LIBRARY
@@ -79,19 +81,33 @@ std::string load_onnxruntime(const Options& options) {
   return loaded;
 }
 
+// The op library to register ("" = none): the caller's own, or the bundle's, checked and consented to.
+std::string choose_op_library(const Bundle& bundle, const Options& options) {
+  if (!options.op_library) return "";
+  if (!options.op_library_path.empty()) {
+    if (!file_exists(options.op_library_path)) fail(ErrorKind::BadInput, "--op-library " + options.op_library_path + ": no such file");
+    return options.op_library_path;
+  }
+  auto listed = bundle.op_libraries("onnxruntime");
+  if (listed.empty()) return "";
+  std::string path = bundle.verified_path(listed.front());
+  if (!options.trust_native) {
+    refuse_native(path, ", --op-library PATH to use your own build of it, or --no-op-library to run deploykit ops "
+                        "as their ONNX functions");
+  }
+  return path;
+}
+
 class OnnxRuntimeRunner : public Runner {
  public:
-  OnnxRuntimeRunner(const std::string& bundle, const Options& options)
-      : library_(load_onnxruntime(options)), env_(ORT_LOGGING_LEVEL_WARNING, "deploykit-run") {
+  OnnxRuntimeRunner(const Bundle& bundle, const Options& options)
+      : op_library_(choose_op_library(bundle, options)),
+        library_(load_onnxruntime(options)),
+        env_(ORT_LOGGING_LEVEL_WARNING, "deploykit-run") {
+    std::string model = bundle.verified_path(bundle.model());
     Ort::SessionOptions session_options;
     if (options.threads > 0) session_options.SetIntraOpNumThreads(options.threads);
-    std::string op_library = bundle + "/libdeploykit_ort.so";
-    if (options.op_library && file_exists(op_library)) {
-      session_options.RegisterCustomOpsLibrary(op_library.c_str());
-      op_library_ = op_library;
-    }
-    std::string model = bundle + "/model.onnx";
-    if (!file_exists(model)) fail(ErrorKind::BadInput, model + " is missing: the bundle is incomplete");
+    if (!op_library_.empty()) session_options.RegisterCustomOpsLibrary(op_library_.c_str());
     session_ = std::make_unique<Ort::Session>(env_, model.c_str(), session_options);
     Ort::AllocatorWithDefaultOptions allocator;
     for (std::size_t i = 0; i < session_->GetInputCount(); ++i) {
@@ -142,7 +158,7 @@ class OnnxRuntimeRunner : public Runner {
   }
 
  private:
-  std::string library_, op_library_;
+  std::string op_library_, library_;
   Ort::Env env_;
   std::unique_ptr<Ort::Session> session_;
   std::vector<TensorInfo> inputs_, outputs_;
@@ -150,11 +166,11 @@ class OnnxRuntimeRunner : public Runner {
 
 }  // namespace
 
-std::unique_ptr<Runner> open_onnxruntime(const std::string& bundle, const Options& options) {
+std::unique_ptr<Runner> open_onnxruntime(const Bundle& bundle, const Options& options) {
   try {
     return std::make_unique<OnnxRuntimeRunner>(bundle, options);
   } catch (const Ort::Exception& error) {
-    fail(ErrorKind::Environment, std::string("ONNX Runtime cannot load ") + bundle + ": " + error.what());
+    fail(ErrorKind::Environment, "ONNX Runtime cannot load " + bundle.directory() + ": " + error.what());
   }
 }
 

@@ -7,8 +7,10 @@
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdio>
 
+#include "bundle.hpp"
 #include "internal.hpp"
 
 namespace deploykit::detail {
@@ -51,17 +53,41 @@ struct DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 };
 
-std::string find_engine(const std::string& bundle, const Options& options) {
-  if (!options.engine.empty()) return options.engine;
-  for (const auto& name : list_dir(bundle)) {
-    if (name.size() > 7 && name.compare(name.size() - 7, 7, ".engine") == 0) return bundle + "/" + name;
+// The engine to run, read and checked; whether TensorRT may run the plugin code serialized in it.
+struct EngineChoice {
+  std::string path;
+  std::vector<unsigned char> bytes;
+  bool host_code_allowed;
+};
+
+// options.engine outside the bundle is the caller's own; a bundle engine must be listed and unchanged,
+// and its plugin code runs with consent only (or not at all when the caller brings the plugin library).
+EngineChoice choose_engine(const Bundle& bundle, const Options& options) {
+  std::string name;
+  if (!options.engine.empty() && !bundle.contains(options.engine, &name)) {
+    return {options.engine, read_file(options.engine), true};
   }
-  fail(ErrorKind::BadInput, bundle + " has no TensorRT engine: convert with --backend tensorrt");
+  auto engines = bundle.engines();
+  auto entry = std::find_if(engines.begin(), engines.end(),
+                            [&](const EngineEntry& listed) { return name.empty() || listed.file == name; });
+  if (entry == engines.end() && name.empty()) {
+    fail(ErrorKind::BadInput, bundle.directory() + " has no TensorRT engine: convert with --backend tensorrt");
+  }
+  if (entry == engines.end()) fail(ErrorKind::BadInput, "--engine " + options.engine + ": the manifest lists no such engine");
+  std::string path = bundle.directory() + "/" + entry->file;
+  auto bytes = bundle.verified_bytes(entry->file);
+  if (entry->plugins && !options.trust_native && options.plugin_libraries.empty()) {
+    refuse_native(path, " (its plugin code runs inside TensorRT), or pass --plugin PATH with your own build of the "
+                        "plugin library");
+  }
+  return {path, std::move(bytes), options.trust_native && entry->plugins};
 }
 
 class TensorRTRunner : public Runner {
  public:
-  TensorRTRunner(const std::string& bundle, const Options& options) : engine_path_(find_engine(bundle, options)) {
+  TensorRTRunner(const Bundle& bundle, const Options& options) {
+    EngineChoice engine = choose_engine(bundle, options);
+    engine_path_ = engine.path;
     std::vector<std::string> candidates{"libnvinfer.so.10", "libnvinfer.so"};
     if (!options.tensorrt_library.empty()) candidates = {options.tensorrt_library};
     void* library = open_library(candidates,
@@ -72,14 +98,13 @@ class TensorRTRunner : public Runner {
     check_cuda(cudaSetDevice(options.device), "cudaSetDevice");
     runtime_.reset(static_cast<nvinfer1::IRuntime*>(create(&logger_, NV_TENSORRT_VERSION)));
     if (!runtime_) fail(ErrorKind::Environment, library_ + " refused to create a runtime: " + logger_.last_error);
-    runtime_->setEngineHostCodeAllowed(true);  // the plugin library serialized in the engine is host code
+    runtime_->setEngineHostCodeAllowed(engine.host_code_allowed);  // plugin code serialized in the engine
     for (const auto& plugin : options.plugin_libraries) {
       if (!runtime_->getPluginRegistry().loadLibrary(plugin.c_str())) {
         fail(ErrorKind::Environment, "TensorRT cannot load plugin library " + plugin + ": " + logger_.last_error);
       }
     }
-    auto bytes = read_file(engine_path_);
-    engine_.reset(runtime_->deserializeCudaEngine(bytes.data(), bytes.size()));
+    engine_.reset(runtime_->deserializeCudaEngine(engine.bytes.data(), engine.bytes.size()));
     if (!engine_) {
       fail(ErrorKind::Environment, "TensorRT cannot load " + engine_path_ + ": " + logger_.last_error +
                                        " (engines run only with the TensorRT version and GPU they were built for)");
@@ -153,7 +178,7 @@ class TensorRTRunner : public Runner {
 
 }  // namespace
 
-std::unique_ptr<Runner> open_tensorrt(const std::string& bundle, const Options& options) {
+std::unique_ptr<Runner> open_tensorrt(const Bundle& bundle, const Options& options) {
   return std::make_unique<TensorRTRunner>(bundle, options);
 }
 

@@ -52,14 +52,21 @@ void write_npy(const std::string& path, const Tensor& tensor);
 
 struct Options {
   std::string backend = "onnxruntime";  // or "tensorrt"
+  // Native code from the bundle (its op library, an engine's plugin code) is loaded only when
+  // trust_native is set, or is replaced by the caller's own library (op_library_path, plugin_libraries).
+  // Every bundle file opened is checked first: inside the bundle and matching its manifest sha256.
+  bool trust_native = false;
   // ONNX Runtime: the shared library to load ("" = $DEPLOYKIT_ORT_LIBRARY, the one configured at
   // build time, then libonnxruntime.so.1 on the library path); whether to register the bundle's
-  // libdeploykit_ort.so (without it, deploykit ops run as their ONNX functions); intra-op threads.
+  // op library (without it, deploykit ops run as their ONNX functions); an op library of the
+  // caller's own to register instead of the bundle's ("" = the bundle's); intra-op threads.
   std::string ort_library;
   bool op_library = true;
+  std::string op_library_path;
   int threads = 0;
   // TensorRT: the runtime library ("" = libnvinfer.so.10), extra plugin libraries (engines carry
-  // ours), the engine file in the bundle ("" = the first *.engine), the GPU.
+  // ours), the engine: a file the manifest lists, or one of the caller's own ("" = the manifest's
+  // first), the GPU.
   std::string tensorrt_library;
   std::vector<std::string> plugin_libraries;
   std::string engine;

@@ -1,0 +1,185 @@
+// manifest.json, checked on open, and the bundle files it names, checked before they are used: a
+// bundle from a stranger must not send deploykit-run outside its folder or feed it changed files.
+#include "bundle.hpp"
+
+#include <openssl/evp.h>
+
+#include <filesystem>
+
+namespace deploykit::detail {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+constexpr const char* kFormat = "deploykit-bundle";
+constexpr int64_t kFormatVersion = 1;  // deploykit.bundle.format.FORMAT_VERSION this runtime reads
+
+[[noreturn]] void bad_manifest(const std::string& directory, const std::string& problem) {
+  fail(ErrorKind::BadInput, directory + "/manifest.json: " + problem + "; convert the model again with deploykit convert");
+}
+
+const char* type_name(json::value_t type) {
+  switch (type) {
+    case json::value_t::object: return "an object";
+    case json::value_t::array: return "a list";
+    default: return "a string";
+  }
+}
+
+// object[key], which must be there with the given type; `where` is the object's path ("files.x.").
+const json& member(const std::string& directory, const json& object, const std::string& key, json::value_t type,
+                   const std::string& where) {
+  auto found = object.find(key);
+  if (found == object.end()) bad_manifest(directory, "'" + where + key + "' is missing");
+  if (found->type() != type) {
+    bad_manifest(directory, "'" + where + key + "' must be " + type_name(type) + ", not " + found->type_name());
+  }
+  return *found;
+}
+
+void check_format(const std::string& directory, const json& manifest) {
+  if (member(directory, manifest, "format", json::value_t::string, "") != kFormat) {
+    bad_manifest(directory, std::string("'format' must be \"") + kFormat + "\"");
+  }
+  auto version = manifest.find("format_version");
+  if (version == manifest.end() || !version->is_number_integer() || version->get<int64_t>() < 1) {
+    bad_manifest(directory, "'format_version' must be a whole number from 1");
+  }
+  if (version->get<int64_t>() > kFormatVersion) {
+    fail(ErrorKind::BadInput, directory + " has bundle format_version " + version->dump() + "; this deploykit-run reads " +
+                                  std::to_string(kFormatVersion) + ": use a newer deploykit-run");
+  }
+}
+
+// Each entry of the optional list `key` is an object with the string fields `strings`.
+void check_entries(const std::string& directory, const json& manifest, const std::string& key,
+                   const std::vector<std::string>& strings) {
+  if (!manifest.contains(key)) return;
+  const json& entries = member(directory, manifest, key, json::value_t::array, "");
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    std::string where = key + "[" + std::to_string(i) + "]";
+    if (!entries[i].is_object()) bad_manifest(directory, where + " must be an object");
+    for (const auto& field : strings) member(directory, entries[i], field, json::value_t::string, where + ".");
+  }
+}
+
+json read_manifest(const std::string& directory) {
+  json manifest;
+  try {
+    auto bytes = read_file(directory + "/manifest.json");
+    manifest = json::parse(bytes.begin(), bytes.end());
+  } catch (const json::exception& error) {
+    bad_manifest(directory, std::string("not JSON (") + error.what() + ")");
+  }
+  if (!manifest.is_object()) bad_manifest(directory, std::string("must be a JSON object, not ") + manifest.type_name());
+  check_format(directory, manifest);
+  member(directory, manifest, "model", json::value_t::string, "");
+  for (const auto& [name, entry] : member(directory, manifest, "files", json::value_t::object, "").items()) {
+    if (!entry.is_object()) bad_manifest(directory, "files." + name + " must be an object");
+    member(directory, entry, "sha256", json::value_t::string, "files." + name + ".");
+  }
+  check_entries(directory, manifest, "custom_op_libraries", {"file", "runtime"});
+  check_entries(directory, manifest, "engines", {"file"});
+  return manifest;
+}
+
+std::string sha256_hex(const std::vector<unsigned char>& bytes) {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int size = 0;
+  if (EVP_Digest(bytes.data(), bytes.size(), digest, &size, EVP_sha256(), nullptr) != 1) {
+    fail(ErrorKind::Internal, "OpenSSL could not compute a sha256");
+  }
+  static const char* kHex = "0123456789abcdef";
+  std::string hex;
+  for (unsigned int i = 0; i < size; ++i) hex += {kHex[digest[i] >> 4], kHex[digest[i] & 15]};
+  return hex;
+}
+
+}  // namespace
+
+Bundle::Bundle(const std::string& directory) {
+  std::error_code error;
+  directory_ = fs::canonical(directory, error).string();
+  if (error) fail(ErrorKind::BadInput, "cannot open bundle " + directory + ": " + error.message());
+  manifest_ = read_manifest(directory_);
+}
+
+std::string Bundle::inside(const std::string& name) const {
+  fs::path relative(name);
+  bool climbs = false;
+  for (const auto& part : relative) climbs = climbs || part == "..";
+  if (name.empty() || relative.is_absolute() || climbs) {
+    fail(ErrorKind::BadInput, directory_ + "/manifest.json names '" + name +
+                                  "', which is not a path inside the bundle: refusing the bundle");
+  }
+  std::error_code error;
+  std::string real = fs::canonical(fs::path(directory_) / relative, error).string();
+  if (error) fail(ErrorKind::BadInput, directory_ + "/" + name + " is missing: the bundle is incomplete");
+  if (real.compare(0, directory_.size() + 1, directory_ + "/") != 0) {
+    fail(ErrorKind::BadInput, directory_ + "/" + name + " leads out of the bundle (to " + real + "): refusing the bundle");
+  }
+  if (!fs::is_regular_file(real)) fail(ErrorKind::BadInput, directory_ + "/" + name + " is not a file");
+  return real;
+}
+
+void Bundle::check_sha256(const std::string& name, const std::vector<unsigned char>& bytes) const {
+  const json& files = manifest_.at("files");
+  auto entry = files.find(name);
+  if (entry == files.end()) {
+    fail(ErrorKind::BadInput, directory_ + "/" + name + " is not listed in manifest.json's files, so its sha256 "
+                                  "cannot be checked: refusing the bundle");
+  }
+  if (entry->at("sha256").get<std::string>() != sha256_hex(bytes)) {
+    fail(ErrorKind::BadInput, directory_ + "/" + name + " does not match its sha256 in manifest.json: it changed "
+                                  "after convert; restore it or convert the model again");
+  }
+}
+
+std::string Bundle::verified_path(const std::string& name) const {
+  std::string path = inside(name);
+  check_sha256(name, read_file(path));
+  return path;
+}
+
+std::vector<unsigned char> Bundle::verified_bytes(const std::string& name) const {
+  auto bytes = read_file(inside(name));
+  check_sha256(name, bytes);
+  return bytes;
+}
+
+std::string Bundle::model() const { return manifest_.at("model").get<std::string>(); }
+
+std::vector<std::string> Bundle::op_libraries(const std::string& runtime) const {
+  std::vector<std::string> files;
+  for (const auto& entry : manifest_.value("custom_op_libraries", json::array())) {
+    if (entry.at("runtime") == runtime) files.push_back(entry.at("file").get<std::string>());
+  }
+  return files;
+}
+
+std::vector<EngineEntry> Bundle::engines() const {
+  std::vector<EngineEntry> engines;
+  for (const auto& entry : manifest_.value("engines", json::array())) {
+    auto layers = entry.find("plugin_layers");
+    bool without_plugins = layers != entry.end() && layers->is_number_integer() && *layers == 0;
+    engines.push_back({entry.at("file").get<std::string>(), !without_plugins});
+  }
+  return engines;
+}
+
+bool Bundle::contains(const std::string& path, std::string* relative) const {
+  std::error_code error;
+  std::string real = fs::weakly_canonical(path, error).string();
+  if (error || real.compare(0, directory_.size() + 1, directory_ + "/") != 0) return false;
+  *relative = real.substr(directory_.size() + 1);
+  return true;
+}
+
+void refuse_native(const std::string& path, const std::string& own_option) {
+  fail(ErrorKind::BadInput, path + " is native code from the bundle and is not loaded without consent: pass "
+                                   "--trust-bundle (Options::trust_native) if you trust who made the bundle" +
+                                   own_option);
+}
+
+}  // namespace deploykit::detail

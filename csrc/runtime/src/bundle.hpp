@@ -1,0 +1,46 @@
+// A bundle as its manifest describes it (not installed): every file a runner opens is named by
+// manifest.json, resolves inside the bundle directory and matches the sha256 recorded there.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <vector>
+
+#include "internal.hpp"
+
+namespace deploykit::detail {
+
+// An engine the manifest lists; plugins: whether it carries plugin code (native code from the bundle).
+struct EngineEntry {
+  std::string file;
+  bool plugins;
+};
+
+class Bundle {
+ public:
+  // Reads and checks manifest.json (format tag, format_version, the keys the runners use).
+  explicit Bundle(const std::string& directory);
+
+  const std::string& directory() const { return directory_; }
+  // The real path of the file the manifest calls `name`, inside the bundle and unchanged.
+  std::string verified_path(const std::string& name) const;
+  // The bytes of that file, hashed as read: what is checked is what is used.
+  std::vector<unsigned char> verified_bytes(const std::string& name) const;
+  std::string model() const;
+  std::vector<std::string> op_libraries(const std::string& runtime) const;
+  std::vector<EngineEntry> engines() const;
+  // Whether `path` resolves inside the bundle directory; `relative` then holds its name there.
+  bool contains(const std::string& path, std::string* relative) const;
+
+ private:
+  std::string inside(const std::string& name) const;
+  void check_sha256(const std::string& name, const std::vector<unsigned char>& bytes) const;
+  std::string directory_;
+  nlohmann::json manifest_;
+};
+
+// The one-line refusal of native code from a bundle loaded without consent.
+[[noreturn]] void refuse_native(const std::string& path, const std::string& own_option);
+
+}  // namespace deploykit::detail
