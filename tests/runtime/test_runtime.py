@@ -320,3 +320,18 @@ def test_cuda_tensors_stay_on_the_gpu(tabular, features):
     for name, tensor in outputs.items():
         np.testing.assert_allclose(tensor.cpu().numpy(), reference[name], rtol=1e-3, atol=1e-3)
     assert isinstance(runner(features)["output_0"], np.ndarray)
+
+
+def test_npz_rounding_to_a_narrower_float_only_where_noted(tmp_path):
+    """validate's reference runs the rounded values too, so there a rounding is noted, not refused."""
+    specs = [{"name": "x", "dtype": "float16", "shape": [2]}]
+    np.savez(tmp_path / "x.npz", x=np.array([0.1, 1.0], np.float32))
+    with pytest.raises(BadInputError, match="input x is float32, the model takes float16"):
+        runtime.bundle_feeds(specs, tmp_path / "x.npz")
+    notes: list[str] = []
+    assert runtime.bundle_feeds(specs, tmp_path / "x.npz", rounding_notes=notes)["x"].dtype == np.float16
+    assert notes == [f"--inputs {tmp_path / 'x.npz'}: input x rounded from float32 to float16, "
+                     "the bundle's input dtype (1 values changed)"]
+    np.savez(tmp_path / "y.npz", x=np.array([1e6, 1.0], np.float32))
+    with pytest.raises(BadInputError, match="1000000.0 becomes inf"):
+        runtime.bundle_feeds(specs, tmp_path / "y.npz", rounding_notes=[])

@@ -174,8 +174,13 @@ def random_inputs(specs: list[dict], batch: int | None = None, seed: int = 0) ->
     return random_feeds(shapes, seed)
 
 
-def bundle_feeds(specs: list[dict], path: Path | None, batch: int | None = None, seed: int = 0) -> dict[str, np.ndarray]:
-    """Inputs for a bundle: a user's .npz (every array an input, cast only where exact) or random ones."""
+def bundle_feeds(specs: list[dict], path: Path | None, batch: int | None = None, seed: int = 0, *,
+                 rounding_notes: list[str] | None = None) -> dict[str, np.ndarray]:
+    """Inputs for a bundle: a user's .npz (every array an input, cast only where exact) or random ones.
+
+    Given ``rounding_notes`` (validate: its PyTorch reference runs the same rounded values), a
+    float input may round to the bundle's narrower float dtype, noted there instead of refused.
+    """
     if path is None:
         return random_inputs(specs, batch, seed)
     try:
@@ -191,13 +196,15 @@ def bundle_feeds(specs: list[dict], path: Path | None, batch: int | None = None,
     if unknown:
         raise BadInputError(f"--inputs {path} holds {', '.join(unknown)}, which the model has no input for; "
                             f"the model takes {describe_inputs(specs)}: leave {', '.join(unknown)} out of the .npz")
-    return {spec["name"]: cast_exactly(spec["name"], arrays[spec["name"]], spec["dtype"], path) for spec in specs}
+    return {spec["name"]: cast_exactly(spec["name"], arrays[spec["name"]], spec["dtype"], path, rounding_notes)
+            for spec in specs}
 
 
-def cast_exactly(name: str, array: np.ndarray, dtype: str, path: Path) -> np.ndarray:
+def cast_exactly(name: str, array: np.ndarray, dtype: str, path: Path,
+                 rounding_notes: list[str] | None = None) -> np.ndarray:
     """``array`` as ``dtype`` when every value survives the cast (a .npz of Python numbers is
     float64 or int64); a cast that would change a value is refused, as deploykit.load refuses
-    every cast."""
+    every cast, unless it only rounds floats and ``rounding_notes`` takes the note."""
     wanted = np.dtype(dtype)
     if array.dtype == wanted:
         return array
@@ -206,6 +213,10 @@ def cast_exactly(name: str, array: np.ndarray, dtype: str, path: Path) -> np.nda
         cast = array.astype(wanted)
         changed = _changed_by_cast(array, cast)
     if not changed.any():
+        return cast
+    if rounding_notes is not None and _only_rounded(array, cast):
+        rounding_notes.append(f"--inputs {path}: input {name} rounded from {array.dtype} to {dtype}, "
+                              f"the bundle's input dtype ({int(changed.sum())} values changed)")
         return cast
     first = tuple(int(i) for i in np.argwhere(changed)[0])
     raise BadInputError(f"--inputs {path}: {dtype_mismatch(name, array.dtype, dtype)}, and the cast would change "
@@ -223,6 +234,12 @@ def _changed_by_cast(original: np.ndarray, cast: np.ndarray) -> np.ndarray:
     if original.dtype.kind == "c" and cast.dtype.kind != "c":
         changed |= original.imag != 0
     return changed
+
+
+def _only_rounded(original: np.ndarray, cast: np.ndarray) -> bool:
+    """Floats to floats with nothing finite becoming infinite: rounding, not overflow."""
+    overflowed = np.isfinite(original) & ~np.isfinite(cast) if original.dtype.kind == "f" else True
+    return original.dtype.kind == cast.dtype.kind == "f" and not np.any(overflowed)
 
 
 # --------------------------------------------------------------------------- outputs
