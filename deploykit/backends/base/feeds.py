@@ -196,11 +196,11 @@ def bundle_feeds(specs: list[dict], path: Path | None, batch: int | None = None,
     if unknown:
         raise BadInputError(f"--inputs {path} holds {', '.join(unknown)}, which the model has no input for; "
                             f"the model takes {describe_inputs(specs)}: leave {', '.join(unknown)} out of the .npz")
-    return {spec["name"]: cast_exactly(spec["name"], arrays[spec["name"]], spec["dtype"], path, rounding_notes)
+    return {spec["name"]: cast_input(spec["name"], arrays[spec["name"]], spec["dtype"], path, rounding_notes)
             for spec in specs}
 
 
-def cast_exactly(name: str, array: np.ndarray, dtype: str, path: Path,
+def cast_input(name: str, array: np.ndarray, dtype: str, path: Path,
                  rounding_notes: list[str] | None = None) -> np.ndarray:
     """``array`` as ``dtype`` when every value survives the cast (a .npz of Python numbers is
     float64 or int64); a cast that would change a value is refused, as deploykit.load refuses
@@ -219,9 +219,9 @@ def cast_exactly(name: str, array: np.ndarray, dtype: str, path: Path,
                               f"the bundle's input dtype ({int(changed.sum())} values changed)")
         return cast
     first = tuple(int(i) for i in np.argwhere(changed)[0])
+    example = f"{array[first].item()!r} becomes {cast[first].item()!r}"
     raise BadInputError(f"--inputs {path}: {dtype_mismatch(name, array.dtype, dtype)}, and the cast would change "
-                        f"{int(changed.sum())} of its values (e.g. {array[first].item()!r} becomes {cast[first].item()!r}): "
-                        f"save it as {dtype}")
+                        f"{int(changed.sum())} of its values (e.g. {example}): save it as {dtype}")
 
 
 def _changed_by_cast(original: np.ndarray, cast: np.ndarray) -> np.ndarray:
@@ -238,8 +238,9 @@ def _changed_by_cast(original: np.ndarray, cast: np.ndarray) -> np.ndarray:
 
 def _only_rounded(original: np.ndarray, cast: np.ndarray) -> bool:
     """Floats to floats with nothing finite becoming infinite: rounding, not overflow."""
-    overflowed = np.isfinite(original) & ~np.isfinite(cast) if original.dtype.kind == "f" else True
-    return original.dtype.kind == cast.dtype.kind == "f" and not np.any(overflowed)
+    if not original.dtype.kind == cast.dtype.kind == "f":
+        return False
+    return not np.any(np.isfinite(original) & ~np.isfinite(cast))
 
 
 # --------------------------------------------------------------------------- outputs
