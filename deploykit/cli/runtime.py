@@ -39,16 +39,23 @@ def _print_notes(runner) -> None:
 @click.option("--batch", type=click.IntRange(min=1), help="Batch size of the random inputs (default: the optimum).")
 @seed_option()
 @_runtime_options
+@click.option("--allow-unvalidated", is_flag=True,
+              help="Run a batch outside the range the bundle was validated for (ONNX Runtime); the notes say so.")
 @json_option("Print what ran and the outputs' statistics as JSON.")
 @verbose_option()
-def run(bundle, feeds_path, output, batch, seed, backend, device, allow_failed, no_op_library, as_json, verbose):
-    """Run BUNDLE on --inputs (or random inputs) and write its outputs with -o."""
+def run(bundle, feeds_path, output, batch, seed, backend, device, allow_failed, no_op_library, allow_unvalidated,
+        as_json, verbose):
+    """Run BUNDLE on --inputs (or random inputs) and write its outputs with -o.
+
+    Arrays in --inputs are cast to the bundle's dtypes only where no value changes.
+    """
     import numpy as np
 
     from deploykit import runtime
 
     with handle_errors(verbose):
-        runner = runtime.load(bundle, backend, device, allow_failed=allow_failed, op_library=not no_op_library)
+        runner = runtime.load(bundle, backend, device, allow_failed=allow_failed, op_library=not no_op_library,
+                              allow_unvalidated=allow_unvalidated)
         feeds = runtime.bundle_feeds(runner.inputs, feeds_path, batch, seed)
         start = time.perf_counter()
         outputs = runner.run(feeds)

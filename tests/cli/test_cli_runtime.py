@@ -34,7 +34,8 @@ def tabular() -> Path:
 
 
 def test_run_writes_the_runtime_outputs(tmp_path, tabular):
-    features = np.random.default_rng(3).standard_normal((4, 13))  # float64: the CLI casts
+    # float64 holding float32 values: the CLI casts it, as no value changes
+    features = np.random.default_rng(3).standard_normal((4, 13), dtype=np.float32).astype(np.float64)
     np.savez(tmp_path / "x.npz", features=features)
     result = cli("run", tabular, "--inputs", tmp_path / "x.npz", "-o", tmp_path / "y.npz", "--device", "cpu")
     assert result.returncode == 0, result.stderr
@@ -52,6 +53,47 @@ def test_run_json_random_inputs(tabular):
     summary = json.loads(result.stdout)
     assert summary["backend"] == "onnxruntime" and summary["op_library"] is None
     assert summary["outputs"]["output_1"]["shape"] == [3, 16] and summary["inputs"] == "random (seed 0)"
+
+
+def test_run_casts_exact_int64(tmp_path, tabular):
+    np.savez(tmp_path / "x.npz", features=np.arange(-26, 26).reshape(4, 13))
+    result = cli("run", tabular, "--inputs", tmp_path / "x.npz", "--device", "cpu", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["outputs"]["output_1"]["shape"] == [4, 16]
+
+
+@pytest.mark.parametrize("arrays, message", [
+    ({"features": np.full((2, 13), 1 + 2j)},
+     "input features is complex128, the model takes float32, and the cast would change 26 of its values "
+     "(e.g. (1+2j) becomes 1.0): save it as float32"),
+    ({"features": np.full((2, 13), 1e300)},
+     "input features is float64, the model takes float32, and the cast would change 26 of its values "
+     "(e.g. 1e+300 becomes inf): save it as float32"),
+    ({"features": np.full((2, 13), 2**24 + 1)}, "input features is int64, the model takes float32"),
+    ({"features": np.zeros((2, 13), np.float32), "mask": np.zeros(2)},
+     "holds mask, which the model has no input for; the model takes features (float32, batchx13): "
+     "leave mask out of the .npz"),
+    ({"features": np.zeros((6, 13), np.float32)},
+     "input features has batch 6, outside 1..4, the batches the bundle was validated for: convert with a wider "
+     "--batch, or pass --allow-unvalidated"),
+], ids=["complex", "float64-overflow", "int64-rounding", "extra-array", "unvalidated-batch"])
+def test_run_refuses_inputs_it_would_change_or_ignore(tmp_path, tabular, arrays, message):
+    np.savez(tmp_path / "x.npz", **arrays)
+    result = cli("run", tabular, "--inputs", tmp_path / "x.npz", "--device", "cpu", "-o", tmp_path / "y.npz")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "y.npz").exists()
+
+
+def test_run_unvalidated_batch_only_when_allowed(tabular):
+    refused = cli("run", tabular, "--batch", "8", "--device", "cpu")
+    assert refused.returncode == 2 and "input features has batch 8, outside 1..4" in refused.stderr, refused.stderr
+    note = "input features has batch 8, outside 1..4: its outputs were not validated"
+    allowed = cli("run", tabular, "--batch", "8", "--device", "cpu", "--allow-unvalidated")
+    assert allowed.returncode == 0 and f"note: {note}" in allowed.stderr, allowed.stderr
+    as_json = cli("run", tabular, "--batch", "8", "--device", "cpu", "--allow-unvalidated", "--json")
+    summary = json.loads(as_json.stdout)
+    assert summary["outputs"]["output_0"]["shape"] == [8, 4] and any(n.startswith(note) for n in summary["notes"])
 
 
 @pytest.mark.parametrize("case, code, message", [

@@ -61,10 +61,12 @@ def test_torch_tensors_in_torch_tensors_out(tabular, features):
 
 
 def test_three_dimensional_input_any_batch():
+    """Batch 5 lies outside the 1..4 the bundle was validated for: ONNX Runtime runs it when allowed."""
     bundle = converted("transformer_mlp")
     tokens = np.random.default_rng(1).standard_normal((5, 9, 40), dtype=np.float32)
     (want,) = plain_ort(bundle, {"tokens": tokens})
-    np.testing.assert_allclose(deploykit.load(bundle, "onnxruntime", "cpu")(tokens)["output"], want, atol=1e-5)
+    runner = deploykit.load(bundle, "onnxruntime", "cpu", allow_unvalidated=True)
+    np.testing.assert_allclose(runner(tokens)["output"], want, atol=1e-5)
 
 
 @pytest.mark.parametrize("feeds, message", [
@@ -73,10 +75,26 @@ def test_three_dimensional_input_any_batch():
     ({"features": np.zeros((2, 12), np.float32)}, "has shape 2x12, the model takes batchx13"),
     ({"features": np.zeros(13, np.float32)}, "has shape 13"),
     ({}, "missing features"),
+    ({"features": np.ones((2, 13), np.complex128)}, "is complex128, the model takes float32"),
+    ({"features": np.ones((2, 13), np.int64)}, "is int64, the model takes float32"),
+    ({"features": np.zeros((2, 13), np.float32), "extra": np.zeros(1)}, "no input named extra"),
+    ({"features": np.zeros((5, 13), np.float32)}, "has batch 5, outside 1..4, the batches the bundle was validated "
+                                                  "for: .*allow_unvalidated=True"),
+    ({"features": np.zeros((0, 13), np.float32)}, "has batch 0, outside 1..4"),
 ])
 def test_bad_inputs_are_named(tabular, feeds, message):
     with pytest.raises(BadInputError, match=message):
         deploykit.load(tabular, device="cpu").run(feeds)
+
+
+def test_unvalidated_batch_runs_when_allowed_and_says_so(tabular):
+    runner = deploykit.load(tabular, device="cpu", allow_unvalidated=True)
+    assert runner(np.zeros((3, 13), np.float32))["output_0"].shape == (3, 4) and runner.notes == []
+    for _ in range(2):
+        assert runner(np.zeros((6, 13), np.float32))["output_0"].shape == (6, 4)
+    assert runner.notes == ["input features has batch 6, outside 1..4: its outputs were not validated "
+                            "(the bundle was validated for that range only)"]
+    assert runner.describe()["notes"] == runner.notes
 
 
 def test_failed_validation_refused_unless_allowed(tmp_path, features):
@@ -212,6 +230,57 @@ def test_random_inputs_and_npz(tmp_path, tabular):
         runtime.bundle_feeds(specs, tmp_path / "y.npz")
 
 
+EXACT_CASTS = {
+    "float64": np.random.default_rng(2).standard_normal((3, 13), dtype=np.float32).astype(np.float64),
+    "float64 inf nan": np.array([[np.inf, -np.inf, np.nan, -0.0] * 3 + [2.0**127]]),
+    "int64": np.arange(-13, 13).reshape(2, 13),
+    "complex, no imaginary part": np.arange(13, dtype=np.complex128).reshape(1, 13),
+}
+
+
+@pytest.mark.parametrize("values", EXACT_CASTS.values(), ids=EXACT_CASTS)
+def test_npz_casts_where_exact(tmp_path, tabular, values):
+    specs = deploykit.load(tabular, device="cpu").inputs
+    np.savez(tmp_path / "x.npz", features=values)
+    cast = runtime.bundle_feeds(specs, tmp_path / "x.npz")["features"]
+    assert cast.dtype == np.float32
+    np.testing.assert_array_equal(cast.astype(values.dtype), values)
+
+
+LOSSY_CASTS = {
+    "complex": (np.full((2, 13), 1 + 2j), "complex128, the model takes float32.* 26 of its values .*\(1\+2j\) "
+                                          "becomes 1.0"),
+    "float64 overflow": (np.full((2, 13), 1e300), "float64, the model takes float32.* 1e\+300 becomes inf"),
+    "float64 rounding": (np.full((1, 13), 0.1), "float64, the model takes float32.* 0.1 becomes 0.10000000149"),
+    "int64 beyond float32": (np.full((1, 13), 2**24 + 1), "int64, the model takes float32.* 16777217 becomes"),
+}
+
+
+@pytest.mark.parametrize("values, message", LOSSY_CASTS.values(), ids=LOSSY_CASTS)
+def test_npz_lossy_cast_refused(tmp_path, tabular, values, message):
+    specs = deploykit.load(tabular, device="cpu").inputs
+    np.savez(tmp_path / "x.npz", features=values)
+    with pytest.raises(BadInputError, match=f"input features is {message}.*: save it as float32"):
+        runtime.bundle_feeds(specs, tmp_path / "x.npz")
+
+
+def test_npz_int64_beyond_int32_refused(tmp_path):
+    specs = [{"name": "ids", "dtype": "int32", "shape": [2]}]
+    np.savez(tmp_path / "x.npz", ids=np.array([7, -7]))
+    assert runtime.bundle_feeds(specs, tmp_path / "x.npz")["ids"].dtype == np.int32
+    np.savez(tmp_path / "y.npz", ids=np.array([7, 2**31]))
+    with pytest.raises(BadInputError, match="input ids is int64, the model takes int32.* 2147483648 becomes -2147483648"):
+        runtime.bundle_feeds(specs, tmp_path / "y.npz")
+
+
+def test_npz_array_without_an_input_refused(tmp_path, tabular):
+    specs = deploykit.load(tabular, device="cpu").inputs
+    np.savez(tmp_path / "x.npz", features=np.ones((3, 13), np.float32), mask=np.ones(3))
+    with pytest.raises(BadInputError, match="holds mask, which the model has no input for; the model takes "
+                                            "features \\(float32, batchx13\\): leave mask out"):
+        runtime.bundle_feeds(specs, tmp_path / "x.npz")
+
+
 def test_runs_without_torch(tabular):
     """The runtime needs numpy and ONNX Runtime only: torch is blocked from importing here."""
     code = ("import sys; sys.modules['torch'] = None; import numpy, deploykit; "
@@ -251,3 +320,18 @@ def test_cuda_tensors_stay_on_the_gpu(tabular, features):
     for name, tensor in outputs.items():
         np.testing.assert_allclose(tensor.cpu().numpy(), reference[name], rtol=1e-3, atol=1e-3)
     assert isinstance(runner(features)["output_0"], np.ndarray)
+
+
+def test_npz_rounding_to_a_narrower_float_only_where_noted(tmp_path):
+    """validate's reference runs the rounded values too, so there a rounding is noted, not refused."""
+    specs = [{"name": "x", "dtype": "float16", "shape": [2]}]
+    np.savez(tmp_path / "x.npz", x=np.array([0.1, 1.0], np.float32))
+    with pytest.raises(BadInputError, match="input x is float32, the model takes float16"):
+        runtime.bundle_feeds(specs, tmp_path / "x.npz")
+    notes: list[str] = []
+    assert runtime.bundle_feeds(specs, tmp_path / "x.npz", rounding_notes=notes)["x"].dtype == np.float16
+    assert notes == [f"--inputs {tmp_path / 'x.npz'}: input x rounded from float32 to float16, "
+                     "the bundle's input dtype (1 values changed)"]
+    np.savez(tmp_path / "y.npz", x=np.array([1e6, 1.0], np.float32))
+    with pytest.raises(BadInputError, match="1000000.0 becomes inf"):
+        runtime.bundle_feeds(specs, tmp_path / "y.npz", rounding_notes=[])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from pathlib import Path
 from typing import Mapping
 
@@ -104,11 +105,17 @@ def describe_inputs(specs: list[dict]) -> str:
     return ", ".join(f"{s['name']} ({s['dtype']}, {'x'.join(map(str, s['shape']))})" for s in specs)
 
 
+def dtype_mismatch(name: str, given: np.dtype, wanted: str) -> str:
+    """How a refused dtype is named, by deploykit.load and ``run --inputs`` alike."""
+    return f"input {name} is {given}, the model takes {wanted}"
+
+
 def check_feed(feed: Feed, spec: dict) -> None:
-    """Dtype, rank and static sizes must match the manifest (runtimes report these obscurely)."""
+    """Dtype, rank and static sizes must match the manifest (runtimes report these obscurely).
+    No cast here: the caller holds the array and decides what a cast may lose."""
     want = "x".join(map(str, spec["shape"]))
     if feed.dtype != np.dtype(spec["dtype"]):
-        raise BadInputError(f"input {feed.name} is {feed.dtype}, the model takes {spec['dtype']}: convert it first "
+        raise BadInputError(f"{dtype_mismatch(feed.name, feed.dtype, spec['dtype'])}: convert it first "
                             f"(e.g. x.astype(numpy.{spec['dtype']}))")
     if len(feed.shape) != len(spec["shape"]) or any(
         isinstance(d, int) and d > 0 and d != g for d, g in zip(spec["shape"], feed.shape)
@@ -116,12 +123,31 @@ def check_feed(feed: Feed, spec: dict) -> None:
         raise BadInputError(f"input {feed.name} has shape {'x'.join(map(str, feed.shape))}, the model takes {want}")
 
 
-def check_batch_range(feed: Feed, spec: dict) -> None:
-    """Engines accept only the batch range they were built for."""
+def batch_outside_range(feed: Feed, spec: dict) -> str | None:
+    """The one batch rule: the manifest's dynamic range is what conversion validated and what
+    engines were built for. Says how ``feed`` lies outside it, None when inside (or static)."""
     batch = spec.get("dynamic", {}).get("0")
     if batch and not batch["min"] <= feed.shape[0] <= batch["max"]:
-        raise BadInputError(f"input {feed.name} has batch {feed.shape[0]}; the engine accepts "
-                            f"{batch['min']}..{batch['max']} (convert with a wider --batch)")
+        return f"input {feed.name} has batch {feed.shape[0]}, outside {batch['min']}..{batch['max']}"
+    return None
+
+
+def check_batch_range(feed: Feed, spec: dict) -> None:
+    """Engines cannot run a batch outside the range they were built for, whatever the caller allows."""
+    problem = batch_outside_range(feed, spec)
+    if problem:
+        raise BadInputError(f"{problem}, the batches the engine was built for: convert with a wider --batch")
+
+
+def unvalidated_batch_notes(given: Mapping[str, Feed], specs: list[dict], allow_unvalidated: bool) -> list[str]:
+    """A batch the bundle was not validated at is refused, or, when the caller allows it, named
+    in the notes this returns, so that no output of an unvalidated batch goes unmarked."""
+    problems = [problem for spec in specs if (problem := batch_outside_range(given[spec["name"]], spec))]
+    if problems and not allow_unvalidated:
+        raise BadInputError(f"{problems[0]}, the batches the bundle was validated for: convert with a wider "
+                            "--batch, or pass --allow-unvalidated (Python: allow_unvalidated=True) to run it anyway")
+    return [f"{problem}: its outputs were not validated (the bundle was validated for that range only)"
+            for problem in problems]
 
 
 def batch_sizes(specs: list[dict]) -> tuple[int, int, int] | None:
@@ -148,8 +174,13 @@ def random_inputs(specs: list[dict], batch: int | None = None, seed: int = 0) ->
     return random_feeds(shapes, seed)
 
 
-def bundle_feeds(specs: list[dict], path: Path | None, batch: int | None = None, seed: int = 0) -> dict[str, np.ndarray]:
-    """Inputs for a bundle: a user's .npz (arrays cast to the model's dtypes) or random ones."""
+def bundle_feeds(specs: list[dict], path: Path | None, batch: int | None = None, seed: int = 0, *,
+                 rounding_notes: list[str] | None = None) -> dict[str, np.ndarray]:
+    """Inputs for a bundle: a user's .npz (every array an input, cast only where exact) or random ones.
+
+    Given ``rounding_notes`` (validate: its PyTorch reference runs the same rounded values), a
+    float input may round to the bundle's narrower float dtype, noted there instead of refused.
+    """
     if path is None:
         return random_inputs(specs, batch, seed)
     try:
@@ -157,11 +188,59 @@ def bundle_feeds(specs: list[dict], path: Path | None, batch: int | None = None,
             arrays = {name: archive[name] for name in archive.files}
     except (OSError, ValueError) as error:
         raise BadInputError(f"--inputs {path}: cannot read it as .npz ({error}); save with numpy.savez") from None
-    missing = [spec["name"] for spec in specs if spec["name"] not in arrays]
+    names = [spec["name"] for spec in specs]
+    missing, unknown = [n for n in names if n not in arrays], [n for n in arrays if n not in names]
     if missing:
         raise BadInputError(f"--inputs {path} lacks {', '.join(missing)} (it holds {', '.join(arrays) or 'nothing'}); "
                             f"the model takes {describe_inputs(specs)}")
-    return {spec["name"]: arrays[spec["name"]].astype(spec["dtype"], copy=False) for spec in specs}
+    if unknown:
+        raise BadInputError(f"--inputs {path} holds {', '.join(unknown)}, which the model has no input for; "
+                            f"the model takes {describe_inputs(specs)}: leave {', '.join(unknown)} out of the .npz")
+    return {spec["name"]: cast_input(spec["name"], arrays[spec["name"]], spec["dtype"], path, rounding_notes)
+            for spec in specs}
+
+
+def cast_input(name: str, array: np.ndarray, dtype: str, path: Path,
+                 rounding_notes: list[str] | None = None) -> np.ndarray:
+    """``array`` as ``dtype`` when every value survives the cast (a .npz of Python numbers is
+    float64 or int64); a cast that would change a value is refused, as deploykit.load refuses
+    every cast, unless it only rounds floats and ``rounding_notes`` takes the note."""
+    wanted = np.dtype(dtype)
+    if array.dtype == wanted:
+        return array
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", np.exceptions.ComplexWarning)  # what it warns of is checked below
+        cast = array.astype(wanted)
+        changed = _changed_by_cast(array, cast)
+    if not changed.any():
+        return cast
+    if rounding_notes is not None and _only_rounded(array, cast):
+        rounding_notes.append(f"--inputs {path}: input {name} rounded from {array.dtype} to {dtype}, "
+                              f"the bundle's input dtype ({int(changed.sum())} values changed)")
+        return cast
+    first = tuple(int(i) for i in np.argwhere(changed)[0])
+    example = f"{array[first].item()!r} becomes {cast[first].item()!r}"
+    raise BadInputError(f"--inputs {path}: {dtype_mismatch(name, array.dtype, dtype)}, and the cast would change "
+                        f"{int(changed.sum())} of its values (e.g. {example}): save it as {dtype}")
+
+
+def _changed_by_cast(original: np.ndarray, cast: np.ndarray) -> np.ndarray:
+    """Where a value does not come back from the cast: rounded, overflowed, wrapped, or an
+    imaginary part dropped (NaN stays NaN)."""
+    back = cast.astype(original.dtype)
+    changed = back != original
+    if original.dtype.kind in "fc":
+        changed &= ~(np.isnan(original) & np.isnan(back))
+    if original.dtype.kind == "c" and cast.dtype.kind != "c":
+        changed |= original.imag != 0
+    return changed
+
+
+def _only_rounded(original: np.ndarray, cast: np.ndarray) -> bool:
+    """Floats to floats with nothing finite becoming infinite: rounding, not overflow."""
+    if not original.dtype.kind == cast.dtype.kind == "f":
+        return False
+    return not np.any(np.isfinite(original) & ~np.isfinite(cast))
 
 
 # --------------------------------------------------------------------------- outputs

@@ -14,11 +14,13 @@ from deploykit.backends.onnxruntime.runner import OnnxRuntimeRunner
 def load_onnxruntime(bundle: Bundle, device: str = "cpu", device_id: int = 0, *, op_library: bool = True,
                      verify: bool = True, model: Path | None = None, threads: int | None = None,
                      cuda_graph: bool = False, stream: int | None = None, tf32: bool = False,
-                     profile_prefix: str | None = None, notes: list[str] | None = None) -> OnnxRuntimeRunner:
+                     profile_prefix: str | None = None, notes: list[str] | None = None,
+                     allow_unvalidated: bool = False) -> OnnxRuntimeRunner:
     """The bundle's graph on the CPU or the CUDA provider, with deploykit's op library registered.
 
     ``op_library=False`` runs the graph's ONNX function fallbacks instead of our kernels;
-    ``model`` swaps in another graph with the same signature (bench's plain export).
+    ``model`` swaps in another graph with the same signature (bench's plain export);
+    ``allow_unvalidated`` runs batches outside the validated range (the runner notes them).
     """
     notes = list(notes or [])
     library = bundle.file(bundle.op_library["file"], verify) if op_library and bundle.op_library else None
@@ -33,7 +35,8 @@ def load_onnxruntime(bundle: Bundle, device: str = "cpu", device_id: int = 0, *,
     chosen = loader.providers(device, device_id, tf32=tf32, cuda_graph=cuda_graph, stream=stream)
     session = loader.create_session(model_path, options, chosen)
     runner = OnnxRuntimeRunner(session, device, device_id, inputs=bundle.inputs, outputs=bundle.outputs,
-                               model_path=model_path, library=library, notes=notes, bundle=bundle)
+                               model_path=model_path, library=library, notes=notes, bundle=bundle,
+                               allow_unvalidated=allow_unvalidated)
     import onnxruntime as ort
 
     recorded = bundle.recorded_version("onnxruntime-gpu", "onnxruntime")

@@ -10,7 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from deploykit.backends.onnxruntime import loader
-from deploykit.backends.base.feeds import DeviceArray, Feed, collect_feeds, deliver_host, imported_torch, output_kind
+from deploykit.backends.base.feeds import (
+    DeviceArray, Feed, collect_feeds, deliver_host, imported_torch, output_kind, unvalidated_batch_notes,
+)
 from deploykit.backends.base.memory import TorchMemory
 from deploykit.backends.base.runner import Runner
 
@@ -18,20 +20,22 @@ from deploykit.backends.base.runner import Runner
 class OnnxRuntimeRunner(Runner):
     """An InferenceSession fed and read by name; CUDA inputs stay on the GPU (IOBinding).
 
-    Specs default to the session's own; a bundle loader passes the manifest's. ``model_path``
-    and ``library`` say what the session was made from (None for in-memory graphs).
+    Specs default to the session's own; a bundle loader passes the manifest's, whose batch range
+    is then enforced (``allow_unvalidated`` runs other batches, with a note). ``model_path`` and
+    ``library`` say what the session was made from (None for in-memory graphs).
     """
 
     backend = "onnxruntime"
 
     def __init__(self, session, device: str = "cpu", device_id: int = 0, *, inputs: list[dict] | None = None,
                  outputs: list[dict] | None = None, model_path: Path | None = None, library: Path | None = None,
-                 notes: list[str] | None = None, bundle=None):
+                 notes: list[str] | None = None, bundle=None, allow_unvalidated: bool = False):
         super().__init__(device, inputs or session_specs(session.get_inputs()),
                          outputs or session_specs(session.get_outputs()), notes=notes, bundle=bundle)
         self.session, self.device_id = session, device_id
         self.provider = session.get_providers()[0]
         self.model_path, self.library = model_path, library
+        self.allow_unvalidated = allow_unvalidated
 
     @classmethod
     def from_model(cls, model, op_library: Path | None = None) -> OnnxRuntimeRunner:
@@ -46,6 +50,9 @@ class OnnxRuntimeRunner(Runner):
 
     def run(self, feeds=None, /, **named) -> dict:
         given = collect_feeds(feeds, named, self.inputs)
+        for note in unvalidated_batch_notes(given, self.inputs, self.allow_unvalidated):
+            if note not in self.notes:
+                self.notes.append(note)
         kind, device = output_kind(given)
         if self.device == "cuda" and any(feed.on_device for feed in given.values()):
             return self._run_bound(given, kind, device)
