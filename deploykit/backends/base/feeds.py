@@ -152,11 +152,9 @@ def bundle_feeds(specs: list[dict], path: Path | None, batch: int | None = None,
     """Inputs for a bundle: a user's .npz (arrays cast to the model's dtypes) or random ones."""
     if path is None:
         return random_inputs(specs, batch, seed)
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            arrays = {name: archive[name] for name in archive.files}
-    except (OSError, ValueError) as error:
-        raise BadInputError(f"--inputs {path}: cannot read it as .npz ({error}); save with numpy.savez") from None
+    from deploykit.validation.inputs import read_arrays
+
+    arrays = read_arrays(path)
     missing = [spec["name"] for spec in specs if spec["name"] not in arrays]
     if missing:
         raise BadInputError(f"--inputs {path} lacks {', '.join(missing)} (it holds {', '.join(arrays) or 'nothing'}); "
