@@ -105,6 +105,8 @@ def read_manifest(bundle: str | Path) -> dict:
     path = Path(bundle) / MANIFEST
     if not path.exists():
         raise BadInputError(f"{bundle} is not a deploykit bundle (no {MANIFEST}); run deploykit convert first")
+    if not paths.inside(path, Path(bundle)):
+        raise BadInputError(f"{path} leads outside the bundle (to {path.resolve()}): refused; re-run deploykit convert")
     try:
         return json.loads(path.read_text())
     except OSError as error:

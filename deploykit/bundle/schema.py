@@ -38,7 +38,7 @@ def dimension(value: Any) -> int | str:
 
 def dtype_name(value: str) -> str:
     if value not in DTYPES:
-        raise ValueError(f"unknown dtype; one of {', '.join(sorted(DTYPES))}")
+        raise ValueError("unknown dtype; deploykit writes numpy names such as float32, float16, bfloat16, int64")
     return value
 
 
@@ -126,7 +126,7 @@ class Manifest(Header):
     engines: list[Engine] = []
     custom_op_libraries: list[OpLibrary] = []
     versions: dict[str, str] = {}
-    validation: Validation | None = None
+    validation: Validation = Validation(passed=False)
     files: dict[FileName, FileEntry]
 
 

@@ -30,6 +30,12 @@ def version_1e400(bundle):
     (bundle / "manifest.json").write_text(text)
 
 
+def linked_outside(bundle):
+    (bundle.parent / "elsewhere.json").write_text((bundle / "manifest.json").read_text())
+    (bundle / "manifest.json").unlink()
+    os.symlink(bundle.parent / "elsewhere.json", bundle / "manifest.json")
+
+
 def directory(bundle):
     (bundle / "manifest.json").unlink()
     (bundle / "manifest.json").mkdir()
@@ -41,6 +47,7 @@ MANIFESTS = {
     "json list": (write("[1, 2]"), "holds a JSON list, not an object"),
     "json string": (write('"deploykit-bundle"'), "holds a JSON str, not an object"),
     "directory": (directory, "cannot read it"),
+    "manifest linked outside": (linked_outside, "manifest.json leads outside the bundle"),
     "no inputs": (change(lambda m: m.pop("inputs")), "inputs: Field required"),
     "no outputs": (change(lambda m: m.pop("outputs")), "outputs: Field required"),
     "no files": (change(lambda m: m.pop("files")), "files: Field required"),
@@ -51,6 +58,7 @@ MANIFESTS = {
     "version 1e400": (version_1e400, "format_version: Input should be a valid integer"),
     "version negative": (change(lambda m: m.update(format_version=-5)), "format_version: Input should be greater"),
     "validation passed": (change(lambda m: m.update(validation="passed")), "validation: Input should be a valid dictionary"),
+    "validation null": (change(lambda m: m.update(validation=None)), "validation: Input should be a valid dictionary"),
     "huge shape": (change(lambda m: m["inputs"][0]["shape"].__setitem__(1, 10**12)), "inputs.0.shape.1: a dimension is"),
     "batch range reversed": (change(lambda m: m["inputs"][0]["dynamic"]["0"].update(min=8)), "inputs.0.dynamic.0"),
     "model absolute": (change(lambda m: m.update(model="/etc/passwd")), "model: not a plain file name"),
