@@ -99,6 +99,16 @@ def test_commands_refuse_a_damaged_manifest_with_exit_2(tmp_path, command, case)
     assert_one_line_exit_2(run_deploykit(*command, bundle), message)
 
 
+@pytest.mark.parametrize("command", [["bench"], ["profile"], ["validate", "--device", "cpu"]])
+def test_timing_and_validate_refuse_a_damaged_manifest_with_exit_2(tmp_path, command):
+    damage, message = MANIFESTS["validation passed"]
+    bundle = copy_bundle("tabular", tmp_path)
+    damage(bundle)
+    model = ["model.pt", "--factory", "model_zoo:tabular"] if command[0] == "validate" else []
+    (tmp_path / "model.pt").write_bytes(b"")
+    assert_one_line_exit_2(run_deploykit(command[0], bundle, *model, *command[1:], cwd=tmp_path), message)
+
+
 def test_an_intact_bundle_still_opens(tmp_path):
     bundle = copy_bundle("tabular", tmp_path)
     edit_manifest(bundle, lambda m: m.update(native=[{"file": "x"}], newer_key={"any": "thing"}))
