@@ -7,7 +7,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
+from google.protobuf.message import DecodeError
 from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+from deploykit.errors import BadInputError
 
 
 def inside(path: Path, folder: Path) -> bool:
@@ -18,7 +21,10 @@ def inside(path: Path, folder: Path) -> bool:
 def external_data_outside(model: Path, folder: Path) -> Path | None:
     """The first external-data file of the graph at ``model`` that lies outside ``folder``, if any;
     read from the graph's tensor records only, the data itself is not loaded."""
-    graph = onnx.load(model, load_external_data=False)
+    try:
+        graph = onnx.load(model, load_external_data=False)
+    except DecodeError as error:
+        raise BadInputError(f"{model} is not an ONNX graph ({error}); restore it or re-run deploykit convert") from None
     for tensor in _tensors(graph.graph, graph.functions):
         if uses_external_data(tensor):
             location = model.parent / ExternalDataInfo(tensor).location  # an absolute location replaces the folder

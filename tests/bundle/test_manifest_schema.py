@@ -174,6 +174,12 @@ def test_external_data_outside_the_bundle_is_refused(tmp_path, location):
     assert_one_line_exit_2(run_deploykit("run", bundle, "--device", "cpu"), "outside the bundle")
 
 
+def test_debug_on_a_graph_that_is_no_onnx_is_bad_input(tmp_path):
+    bundle = copy_bundle("tabular", tmp_path)
+    (bundle / "model.onnx").write_bytes(b"\xff" * 64)
+    assert_one_line_exit_2(run_deploykit("debug", bundle), "model.onnx is not an ONNX graph")
+
+
 # --------------------------------------------------------------------------- inputs
 
 
