@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 from deploykit import runtime
+from deploykit.bundle.read import FileProblem
 
 TORCH_INDEX = "pip install torch --index-url https://download.pytorch.org/whl/cu{cuda}"
 
@@ -125,8 +126,11 @@ def _library_facts(bundle: runtime.Bundle | None) -> dict[str, str]:
     """Whether our libraries load here: the bundle's op library, else the newest cached build's."""
     libraries = {}
     if bundle is not None and bundle.op_library:
-        path = bundle.path / bundle.op_library["file"]
-        libraries[f"bundle {path.name}"] = _ort_library_loads(path)
+        name = bundle.op_library["file"]
+        try:
+            libraries[f"bundle {name}"] = _ort_library_loads(bundle.file(name, verify=False))
+        except FileProblem as problem:
+            libraries[f"bundle {name}"] = problem.kind
     elif (build := _newest_build()) is not None:
         for name, relative in build.get("libraries", {}).items():
             path = build["dir"] / relative

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -15,24 +16,45 @@ def random_feeds(specs: list[InputSpec], seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     feeds = {}
     for spec in specs:
-        dtype = np.dtype(spec.dtype)
-        if dtype.kind == "f":
-            feeds[spec.name] = rng.standard_normal(spec.shape, dtype=np.float32).astype(dtype)
-        elif dtype.kind in "iu":
-            feeds[spec.name] = rng.integers(0, 8, spec.shape).astype(dtype)
-        else:
-            feeds[spec.name] = rng.integers(0, 2, spec.shape).astype(bool)
+        try:
+            feeds[spec.name] = _random_array(rng, spec)
+        except MemoryError:
+            raise BadInputError(f"random input {spec.describe()} does not fit in this machine's memory; "
+                                "use a smaller --batch, or give inputs as .npz (--inputs)") from None
     return feeds
+
+
+def _random_array(rng: np.random.Generator, spec: InputSpec) -> np.ndarray:
+    dtype = np.dtype(spec.dtype)
+    if dtype.kind == "f":
+        return rng.standard_normal(spec.shape, dtype=np.float32).astype(dtype)
+    if dtype.kind in "iu":
+        return rng.integers(0, 8, spec.shape).astype(dtype)
+    return rng.integers(0, 2, spec.shape).astype(bool)
+
+
+def read_arrays(path: str | Path) -> dict[str, np.ndarray]:
+    """The arrays of a user's ``.npz`` by name; refused when it is not an archive of non-empty arrays."""
+    path = Path(path)
+    fix = "save with numpy.savez(PATH, NAME=array, ...)"
+    try:
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):
+            raise BadInputError(f"--inputs {path} holds a single array (.npy), not named arrays; {fix}")
+        with loaded as archive:
+            arrays = {name: archive[name] for name in archive.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
+        raise BadInputError(f"--inputs {path}: cannot read it as .npz ({error}); {fix}") from None
+    empty = [name for name, array in arrays.items() if array.size == 0]
+    if empty:
+        raise BadInputError(f"--inputs {path}: {', '.join(empty)} holds no values (shape "
+                            f"{'x'.join(map(str, arrays[empty[0]].shape))}); give at least one sample")
+    return arrays
 
 
 def load_feeds(path: str | Path, specs: list[InputSpec]) -> dict[str, np.ndarray]:
     """Read a user's ``.npz`` and check it holds every declared input with a fitting shape."""
-    path = Path(path)
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            arrays = {name: archive[name] for name in archive.files}
-    except (OSError, ValueError) as error:
-        raise BadInputError(f"--inputs {path}: cannot read it as .npz ({error}); save with numpy.savez") from None
+    arrays = read_arrays(path)
     missing = [spec.name for spec in specs if spec.name not in arrays]
     if missing:
         raise BadInputError(

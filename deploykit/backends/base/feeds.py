@@ -13,6 +13,8 @@ from typing import Mapping
 import numpy as np
 
 from deploykit.errors import BadInputError
+from deploykit.specs import InputSpec
+from deploykit.validation.inputs import random_feeds, read_arrays
 
 
 # --------------------------------------------------------------------------- inputs
@@ -158,8 +160,6 @@ def batch_sizes(specs: list[dict]) -> tuple[int, int, int] | None:
 
 def random_inputs(specs: list[dict], batch: int | None = None, seed: int = 0) -> dict[str, np.ndarray]:
     """Seeded random inputs at ``batch`` (default: the optimum of a dynamic batch)."""
-    from deploykit.validation.inputs import random_feeds
-    from deploykit.specs import InputSpec
 
     dynamic = batch_sizes(specs)
     batch = batch or (dynamic[1] if dynamic else None)
@@ -183,11 +183,7 @@ def bundle_feeds(specs: list[dict], path: Path | None, batch: int | None = None,
     """
     if path is None:
         return random_inputs(specs, batch, seed)
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            arrays = {name: archive[name] for name in archive.files}
-    except (OSError, ValueError) as error:
-        raise BadInputError(f"--inputs {path}: cannot read it as .npz ({error}); save with numpy.savez") from None
+    arrays = read_arrays(path)
     names = [spec["name"] for spec in specs]
     missing, unknown = [n for n in names if n not in arrays], [n for n in arrays if n not in names]
     if missing:

@@ -1,0 +1,140 @@
+"""The schema of manifest.json, checked on every open: a bundle from anyone is read only when
+each field has the type ``bundle/manifest.py`` writes and every file it names stays in the bundle.
+
+Keys this schema does not know are kept (newer writers add them); required keys, types, sizes
+and file names are enforced, so a damaged or hostile manifest is one clear line, never a crash.
+"""
+
+from __future__ import annotations
+
+import reprlib
+from typing import Annotated, Any, Literal
+
+import onnx
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError, model_validator
+
+#: Largest size a tensor dimension may declare (TensorRT's int32 dimensions).
+MAX_DIM = 2**31 - 1
+#: The numpy names of ONNX's tensor types: what ``dtype`` holds.
+DTYPES = frozenset(onnx.helper.tensor_dtype_to_np_dtype(t).name for t in onnx.TensorProto.DataType.values()
+                   if t not in (onnx.TensorProto.UNDEFINED, onnx.TensorProto.STRING))
+
+
+def plain_name(name: str) -> str:
+    """A file of the bundle is named by a bare file name: no folder, no way out of the bundle."""
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise ValueError("not a plain file name inside the bundle (no folders, '..' or absolute paths)")
+    return name
+
+
+def dimension(value: Any) -> int | str:
+    """A size 0..MAX_DIM (0: unknown) or a symbolic name such as "batch"."""
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_DIM:
+        return value
+    raise ValueError(f"a dimension is a size from 0 to {MAX_DIM} or a name like 'batch'")
+
+
+def dtype_name(value: str) -> str:
+    if value not in DTYPES:
+        raise ValueError("unknown dtype; deploykit writes numpy names such as float32, float16, bfloat16, int64")
+    return value
+
+
+FileName = Annotated[str, AfterValidator(plain_name)]
+Size = Annotated[int, Field(ge=1, le=MAX_DIM)]
+Count = Annotated[int, Field(ge=0)]
+
+
+class Part(BaseModel):
+    """Every object of the manifest: strict types (no "1" for 1), unknown keys kept."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class BatchRange(Part):
+    min: Size
+    opt: Size
+    max: Size
+
+    @model_validator(mode="after")
+    def ordered(self) -> BatchRange:
+        if not self.min <= self.opt <= self.max:
+            raise ValueError("a batch range needs min <= opt <= max")
+        return self
+
+
+class Tensor(Part):
+    name: str
+    dtype: Annotated[str, AfterValidator(dtype_name)]
+    shape: list[Annotated[int | str, PlainValidator(dimension)]]
+    dynamic: dict[str, BatchRange] = {}
+
+
+class PassStats(Part):
+    name: str
+    changes: dict[str, Count]
+
+
+class Engine(Part):
+    file: FileName
+    flavour: Literal["tensorrt", "tensorrt-rtx"]
+    version: str
+    targets: list[str]
+    validated: bool = False
+
+
+class OpLibrary(Part):
+    file: FileName
+    runtime: str
+    register_: str = Field(alias="register")
+    ops: list[str]
+
+
+class Validation(Part):
+    passed: bool
+    batch_sizes: list[Size] = []
+    max_abs: dict[str, float | None] = {}
+
+
+class FileEntry(Part):
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    bytes: Count
+
+
+class Header(Part):
+    """What is read before the rest: a newer format may change everything else."""
+
+    format: str
+    format_version: Size
+
+
+class Manifest(Header):
+    created: str = ""
+    source: str = ""
+    model: FileName = "model.onnx"
+    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    io_precision: Literal["fp32", "fp16", "bf16"] | None = None
+    reference_model: FileName | None = None
+    opset: Count = 0
+    ir_version: Count = 0
+    exporter: str = ""
+    inputs: list[Tensor]
+    outputs: list[Tensor]
+    passes: list[PassStats] = []
+    engines: list[Engine] = []
+    custom_op_libraries: list[OpLibrary] = []
+    versions: dict[str, str] = {}
+    validation: Validation = Validation(passed=False)
+    files: dict[FileName, FileEntry]
+
+
+def first_problem(error: ValidationError) -> str:
+    """Pydantic's first error as "field.path: what is wrong (got VALUE)"."""
+    problem = error.errors(include_url=False)[0]
+    where = ".".join(map(str, problem["loc"])) or "the top level"
+    got = "" if problem["type"] == "missing" else f" (got {reprlib.repr(problem['input'])})"
+    more = f" (and {error.error_count() - 1} more problems)" if error.error_count() > 1 else ""
+    return f"{where}: {problem['msg'].removeprefix('Value error, ')}{got}{more}"
+
