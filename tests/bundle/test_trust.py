@@ -10,7 +10,8 @@ from deploykit.bundle import trust
 from deploykit.bundle.inspect import describe_bundle
 from deploykit.bundle.read import Bundle, open_bundle
 from deploykit.errors import EXIT_BAD_INPUT, EnvironmentProblem
-from converted_bundles import converted
+from deploykit.bundle.format import sha256_of
+from converted_bundles import converted, copy_bundle, edit_manifest
 from foreign_library import LIBRARY, foreign_bundle
 
 
@@ -99,3 +100,36 @@ def test_engine_without_plugins_runs_no_host_code(tmp_path, monkeypatch):
     monkeypatch.setenv("DEPLOYKIT_CACHE", str(tmp_path / "cache"))
     bundle, entry = _engine_bundle(tmp_path, plugins=False)
     assert trust.engine_host_code_allowed(bundle, entry) is False and trust.native_files(bundle) == []
+
+
+def _engine_of(bundle):
+    opened = open_bundle(bundle)
+    entries = [e for e in opened.engines if trust.has_plugins(e)]
+    if not entries:
+        pytest.skip("no TensorRT here: the bundle has no engine with plugins")
+    return opened, entries[0]
+
+
+def test_bundle_engine_deserialized_with_host_code_only_when_known(tmp_path, monkeypatch):
+    """No GPU here: the runner is replaced by one that records whether host code would be allowed."""
+    from deploykit.backends.tensorrt import bundle as trt_bundle
+
+    class Deserialized(Exception):
+        pass
+
+    def record(*args, host_code, **kwargs):
+        raise Deserialized(host_code)
+
+    monkeypatch.setattr(trt_bundle, "TensorRTRunner", record)
+    with pytest.raises(Deserialized) as deserialized:
+        trt_bundle.load_tensorrt_engine(*_engine_of(converted("tabular")))
+    assert deserialized.value.args == (True,)
+    bundle = copy_bundle("tabular", tmp_path)
+    _, entry = _engine_of(bundle)
+    (bundle / entry["file"]).write_bytes(b"a stranger's engine")
+    edit_manifest(bundle, lambda m: m["files"][entry["file"]].update(sha256=sha256_of(bundle / entry["file"])))
+    with pytest.raises(trust.UntrustedNativeCode, match="--trust-bundle"):
+        trt_bundle.load_tensorrt_engine(*_engine_of(bundle))
+    with pytest.raises(Deserialized) as deserialized:
+        trt_bundle.load_tensorrt_engine(*_engine_of(bundle), trust_native=True)
+    assert deserialized.value.args == (True,)
