@@ -7,7 +7,9 @@ import sys
 import click
 
 from deploykit import errors
-from deploykit.cli._common import BUNDLE, console, echo_json, handle_errors, json_option, trust_bundle_option, verbose_option
+from deploykit.cli._common import (
+    BUNDLE, console, echo_json, handle_errors, json_option, trust_bundle_option, verbose_option,
+)
 
 _STATUS_STYLE = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]FAIL[/]", "skip": "[dim]skip[/]"}
 

@@ -170,8 +170,8 @@ _PROFILED = ("onnxruntime", "tensorrt", "pytorch")
 @click.option("--no-op-library", is_flag=True, help="Profile deploykit's ops as their ONNX functions.")
 @trust_bundle_option
 @_results_options("Profile", "profile.json", "profile.html")
-def profile(bundle, model, factory, trust_pickle, batch, device, only, warmup, iterations, top, no_op_library, trust_bundle,
-            allow_failed, output, as_json, verbose):
+def profile(bundle, model, factory, trust_pickle, batch, device, only, warmup, iterations, top, no_op_library,
+            trust_bundle, allow_failed, output, as_json, verbose):
     """Per-layer time of BUNDLE in ONNX Runtime, TensorRT and PyTorch, as a table and an HTML page."""
     from deploykit.bundle.write import write_json
     from deploykit.tools import bench as benchmark

@@ -123,14 +123,16 @@ def contenders(bundle: runtime.Bundle, settings: Settings, source: SourceModel, 
         ]
     plans += [
         ("ort-plain", "ONNX Runtime: plain export", lambda: _plain(bundle, device, tf32, source, plain_onnx, export_plain)),
-        ("ort-functions", "ONNX Runtime: deploykit graph, ONNX functions", lambda: _ort(bundle, device, tf32, False, trust_native)),
+        ("ort-functions", "ONNX Runtime: deploykit graph, ONNX functions", lambda: _ort(bundle, device, tf32, False)),
         ("ort-deploykit", graph, lambda: _ort(bundle, device, tf32, True, trust_native)),
-        ("ort-cuda-graph", "ONNX Runtime: deploykit graph, CUDA graph", lambda: _ort_cuda_graph(bundle, device, tf32, trust_native)),
+        ("ort-cuda-graph", "ONNX Runtime: deploykit graph, CUDA graph",
+         lambda: _ort_cuda_graph(bundle, device, tf32, trust_native)),
     ]
     if baseline is not None:
         name = f"{baseline.path.name} ({baseline.manifest.get('precision', 'fp32')})"
         plans += [
-            ("baseline", f"ONNX Runtime: baseline bundle {name}", lambda: _ort(baseline, device, tf32, True, trust_native)),
+            ("baseline", f"ONNX Runtime: baseline bundle {name}",
+             lambda: _ort(baseline, device, tf32, True, trust_native)),
             ("baseline-cuda-graph", f"ONNX Runtime: baseline bundle {name}, CUDA graph",
              lambda: _ort_cuda_graph(baseline, device, tf32, trust_native)),
         ]

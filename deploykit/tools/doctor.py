@@ -128,7 +128,8 @@ def _library_facts(bundle: runtime.Bundle | None, trust_native: bool = False) ->
     libraries = {}
     if bundle is not None and bundle.op_library:
         path = trust.op_library(bundle, trust_native=trust_native)
-        label = f"bundle {path.name}" if path.parent == bundle.path else f"{path.name} (this machine's build, for the bundle's)"
+        ours = path.parent != bundle.path
+        label = f"{path.name} (this machine's build, for the bundle's)" if ours else f"bundle {path.name}"
         libraries[label] = _ort_library_loads(path)
     elif (build := _newest_build()) is not None:
         for name, relative in build.get("libraries", {}).items():

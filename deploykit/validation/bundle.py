@@ -48,7 +48,8 @@ class BundleValidation:
 def validate_bundle(bundle: Path, model: Path, *, factory: str | None = None, trust_pickle: bool = False,
                     feeds_path: Path | None = None, batches: list[int] | None = None, seed: int = 0,
                     tolerances: tuple[str, ...] = (), backend: str = "auto", device: str = "auto",
-                    allow_failed: bool = False, op_library: bool = True, trust_native: bool = False) -> BundleValidation:
+                    allow_failed: bool = False, op_library: bool = True,
+                    trust_native: bool = False) -> BundleValidation:
     runner = runtime.load(bundle, backend, device, allow_failed=allow_failed, op_library=op_library,
                           trust_native=trust_native)
     reference = TorchRunner(load_model(model, factory, trust_pickle), runner.input_names)
