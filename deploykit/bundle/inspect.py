@@ -3,7 +3,8 @@
 For whoever receives a bundle: the inputs and outputs to feed and expect (with the dynamic
 batch range), the precision, our ops and the library they need, the engines and what they were
 built for, the passes, the validation it passed at conversion, and every file against its
-sha256. Nothing is loaded or run, so it works on any machine.
+sha256, and the native files it carries with where they came from as far as this machine can
+tell (whether ``--trust-bundle`` is needed). Nothing is loaded or run, so it works on any machine.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from deploykit import runtime
+from deploykit.bundle import trust
 
 
 def describe_bundle(path: Path) -> dict:
@@ -38,6 +40,8 @@ def describe_bundle(path: Path) -> dict:
         "files": {name: {"bytes": entry.get("bytes"), "status": problems.get(name, "ok")}
                   for name, entry in manifest.get("files", {}).items()},
         "files_ok": not problems,
+        "native": [{"file": n.file, "kind": n.kind, "provenance": n.provenance, "needs_trust": not n.known}
+                   for n in trust.native_files(bundle)],
     }
 
 

@@ -6,11 +6,14 @@ Readers (:mod:`deploykit.bundle.read`) rely on these keys; ``staged_bundle`` add
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING
 
 import onnx
 
 from deploykit.bundle.format import FORMAT, FORMAT_VERSION, MODEL, REFERENCE_MODEL
+from deploykit.bundle import trust
+from deploykit.bundle.format import sha256_of
 from deploykit.ops import custom_op_types
 
 if TYPE_CHECKING:
@@ -43,7 +46,21 @@ def build_manifest(state: ConversionState) -> dict:
         ] if state.library.path else [],
         "versions": state.versions,
         "validation": _validation(state),
+        "native": native_files(state),
     }
+
+
+def native_files(state: ConversionState) -> list[dict]:
+    """The native code the bundle carries (the op library, an engine with embedded plugins) and its build."""
+    version = state.versions.get("deploykit", "unknown")
+    entries = []
+    if state.library.path:
+        entries.append(trust.manifest_entry(state.library.path.name, trust.OP_LIBRARY, sha256_of(state.library.path),
+                                            state.library.path, version))
+    if state.engine and state.engine.plugin_sha256:
+        entries.append(trust.manifest_entry(state.engine.file_name, trust.ENGINE,
+                                            hashlib.sha256(state.engine.build.engine).hexdigest(), None, version))
+    return entries
 
 
 def _tensor(value: onnx.ValueInfoProto, batch: dict | None = None) -> dict:

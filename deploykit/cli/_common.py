@@ -171,6 +171,12 @@ model_loading_options = combine(
                  help="Allow a pickled nn.Module (unpickling runs code from the file)."),
 )
 
+#: --trust-bundle: consent to run native code the bundle carries (every command that can load it).
+trust_bundle_option = click.option(
+    "--trust-bundle", is_flag=True,
+    help="Load the bundle's native code (op library, engine plugins) even where this machine's deploykit "
+         "did not build it.")
+
 #: --tolerance, repeatable: convert's validation rules overridden (convert, validate).
 tolerance_option = click.option("--tolerance", "tolerances", multiple=True, metavar="[OUTPUT:]KEY=VALUE,...",
                                 help="Override atol, rtol, min_cosine or min_top1, for all outputs or one.")

@@ -8,7 +8,7 @@ import click
 
 from deploykit.cli._common import (
     BUNDLE, EXISTING_FILE, console, echo_json, exit_with_verdict, handle_errors, inputs_option, json_option, seed_option,
-    verbose_option,
+    trust_bundle_option, verbose_option,
 )
 from deploykit.cli._printing import print_notes_and_failures, tradeoff_lines
 
@@ -30,17 +30,18 @@ _SHOWN_ROWS = 12
               help="Stop once this many nodes are pinned to fp32.")
 @click.option("--save", type=click.Path(path_type=Path, dir_okay=False), help="Write the fixed model.onnx here.")
 @click.option("--all", "show_all", is_flag=True, help="List every node, not only those that diverge.")
+@trust_bundle_option
 @json_option("Print the result as JSON on stdout.")
 @verbose_option()
-def debug(bundle_dir, layerwise, reference, feeds_path, seed, batch, max_pinned, save, show_all, as_json,
-          verbose):
+def debug(bundle_dir, layerwise, reference, feeds_path, seed, batch, max_pinned, save, show_all, trust_bundle,
+          as_json, verbose):
     """Find the nodes that make BUNDLE's outputs diverge; for fp16/bf16, pin them to fp32 until it passes."""
     import onnx
 
     from deploykit.tools import debug as dbg
 
     with handle_errors(verbose):
-        bundle = dbg.open_bundle(bundle_dir)
+        bundle = dbg.open_bundle(bundle_dir, trust_bundle)
         feeds = dbg.bundle_feeds(bundle, feeds_path, seed, batch)
         reference_model = onnx.load(reference) if reference else None
         if layerwise or bundle.precision == "fp32":

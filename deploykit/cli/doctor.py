@@ -7,16 +7,19 @@ import sys
 import click
 
 from deploykit import errors
-from deploykit.cli._common import BUNDLE, console, echo_json, handle_errors, json_option, verbose_option
+from deploykit.cli._common import (
+    BUNDLE, console, echo_json, handle_errors, json_option, trust_bundle_option, verbose_option,
+)
 
 _STATUS_STYLE = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]FAIL[/]", "skip": "[dim]skip[/]"}
 
 
 @click.command("doctor")
 @click.argument("bundle", type=BUNDLE, required=False)
+@trust_bundle_option
 @json_option("Print the checks and the facts as JSON.")
 @verbose_option()
-def doctor(bundle, as_json, verbose):
+def doctor(bundle, trust_bundle, as_json, verbose):
     """Check drivers, CUDA, torch, ONNX Runtime, TensorRT and our libraries (and whether BUNDLE runs here).
 
     Exits 3 when a check fails.
@@ -26,7 +29,7 @@ def doctor(bundle, as_json, verbose):
     from deploykit.tools import doctor as diagnosis
 
     with handle_errors(verbose):
-        checks, env = diagnosis.diagnose(bundle)
+        checks, env = diagnosis.diagnose(bundle, trust_native=trust_bundle)
     failed = any(check.status == "fail" for check in checks)
     if as_json:
         echo_json({"ok": not failed, "checks": [dataclasses.asdict(c) for c in checks],

@@ -54,6 +54,10 @@ def _print_info(info: dict) -> None:
     console.print(f"validation at conversion: {'passed' if validation.get('passed') else 'FAILED'} on "
                   f"{validation.get('backend')}, batch sizes {validation.get('batch_sizes')}, max abs {worst}",
                   soft_wrap=True)
+    for native in info["native"]:
+        needed = ("[bold yellow]needs --trust-bundle[/] (an op library is replaced by this machine's build where "
+                  "deploykit can build one)") if native["needs_trust"] else "loads without --trust-bundle"
+        console.print(f"native {native['file']} ({native['kind']}): {native['provenance']}; {needed}", soft_wrap=True)
     for name, entry in info["files"].items():
         status = "[green]ok[/]" if entry["status"] == "ok" else f"[bold red]{entry['status']}[/]"
         console.print(f"file {name}: {entry['bytes']} bytes, sha256 {status}")

@@ -9,11 +9,11 @@ import click
 
 from deploykit.cli._common import (
     BUNDLE, allow_failed_option, combine, console, echo_json, exit_with_verdict, handle_errors, inputs_option,
-    json_option, model_loading_options, seed_option, tolerance_option, verbose_option,
+    json_option, model_loading_options, seed_option, tolerance_option, trust_bundle_option, verbose_option,
 )
 from deploykit.cli._printing import print_notes_and_failures, print_validation_table
 
-#: --backend, --device, --allow-failed and --no-op-library: how deploykit.load runs the bundle.
+#: --backend, --device, --allow-failed, --no-op-library and --trust-bundle: how deploykit.load runs the bundle.
 _runtime_options = combine(
     click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto",
                  show_default=True, help="auto: the TensorRT engine where this GPU runs it, else ONNX Runtime."),
@@ -21,6 +21,7 @@ _runtime_options = combine(
     allow_failed_option("Run a bundle whose validation failed."),
     click.option("--no-op-library", is_flag=True,
                  help="Do not load libdeploykit_ort.so: deploykit ops run as their ONNX functions."),
+    trust_bundle_option,
 )
 
 
@@ -44,7 +45,7 @@ def _print_notes(runner) -> None:
 @json_option("Print what ran and the outputs' statistics as JSON.")
 @verbose_option()
 def run(bundle, feeds_path, output, batch, seed, backend, device, allow_failed, no_op_library, allow_unvalidated,
-        as_json, verbose):
+        trust_bundle, as_json, verbose):
     """Run BUNDLE on --inputs (or random inputs) and write its outputs with -o.
 
     Arrays in --inputs are cast to the bundle's dtypes only where no value changes.
@@ -55,7 +56,7 @@ def run(bundle, feeds_path, output, batch, seed, backend, device, allow_failed, 
 
     with handle_errors(verbose):
         runner = runtime.load(bundle, backend, device, allow_failed=allow_failed, op_library=not no_op_library,
-                              allow_unvalidated=allow_unvalidated)
+                              allow_unvalidated=allow_unvalidated, trust_native=trust_bundle)
         feeds = runtime.bundle_feeds(runner.inputs, feeds_path, batch, seed)
         start = time.perf_counter()
         outputs = runner.run(feeds)
@@ -114,7 +115,7 @@ def _print_run(summary: dict) -> None:
 @json_option("Print the comparison as JSON on stdout.")
 @verbose_option()
 def validate(bundle, model, factory, trust_pickle, feeds_path, batches, seed, tolerances, backend, device,
-             allow_failed, no_op_library, as_json, verbose):
+             allow_failed, no_op_library, trust_bundle, as_json, verbose):
     """Compare BUNDLE, run here as it will be deployed, with MODEL in PyTorch (fp32, CPU).
 
     Conversion validated on the converting machine; this checks the bundle on this machine's
@@ -126,7 +127,8 @@ def validate(bundle, model, factory, trust_pickle, feeds_path, batches, seed, to
     with handle_errors(verbose):
         result = validate_bundle(bundle, model, factory=factory, trust_pickle=trust_pickle, feeds_path=feeds_path,
                                  batches=list(batches), seed=seed, tolerances=tolerances, backend=backend,
-                                 device=device, allow_failed=allow_failed, op_library=not no_op_library)
+                                 device=device, allow_failed=allow_failed, op_library=not no_op_library,
+                                 trust_native=trust_bundle)
     summary = result.to_json()
     if as_json:
         echo_json(summary)

@@ -12,7 +12,7 @@ import click
 
 from deploykit.cli._common import (
     BUNDLE, EXISTING_FILE, allow_failed_option, combine, console, echo_json, handle_errors, json_option,
-    parse_keys, stage_printer, verbose_option,
+    parse_keys, stage_printer, trust_bundle_option, verbose_option,
 )
 
 #: --model, --factory and --trust-pickle: the PyTorch model behind the bundle.
@@ -75,9 +75,10 @@ def _results_folder(output: Path | None, bundle: Path) -> Path:
               help="Stop timing one contender and batch size after this long.")
 @click.option("--tf32", is_flag=True, help="Let fp32 convolutions and matrix products use TF32, in ONNX Runtime and "
               "PyTorch alike (default: exact fp32, as validated).")
+@trust_bundle_option
 @_results_options("Benchmark", "bench.json", "bench.png")
 def bench(bundle, model, factory, trust_pickle, plain_onnx, export_plain, baseline, batches, device, only, warmup,
-          iterations, max_seconds, tf32, allow_failed, output, as_json, verbose):
+          iterations, max_seconds, tf32, trust_bundle, allow_failed, output, as_json, verbose):
     """Time BUNDLE's backends side by side: latency percentiles and throughput per batch size."""
     from deploykit import runtime
     from deploykit.bundle.write import write_json
@@ -88,7 +89,8 @@ def bench(bundle, model, factory, trust_pickle, plain_onnx, export_plain, baseli
     with handle_errors(verbose):
         opened = _open_checked(bundle, allow_failed)
         settings = benchmark.Settings(benchmark.batch_plan(opened, benchmark.parse_batches(batches)),
-                                      benchmark.resolve_device(device), warmup, iterations, max_seconds, tf32=tf32)
+                                      benchmark.resolve_device(device), warmup, iterations, max_seconds, tf32=tf32,
+                                      trust_native=trust_bundle)
         wants_source = selected is None or any(key.startswith(("pytorch", "torch-compile")) for key in selected) \
             or export_plain
         with stage_printer(quiet=as_json)("Loading the backends"):
@@ -166,9 +168,10 @@ _PROFILED = ("onnxruntime", "tensorrt", "pytorch")
 @click.option("--iterations", type=click.IntRange(min=1), default=20, show_default=True, help="Profiled runs.")
 @click.option("--top", type=click.IntRange(min=1), default=15, show_default=True, help="Layers shown in tables and charts.")
 @click.option("--no-op-library", is_flag=True, help="Profile deploykit's ops as their ONNX functions.")
+@trust_bundle_option
 @_results_options("Profile", "profile.json", "profile.html")
 def profile(bundle, model, factory, trust_pickle, batch, device, only, warmup, iterations, top, no_op_library,
-            allow_failed, output, as_json, verbose):
+            trust_bundle, allow_failed, output, as_json, verbose):
     """Per-layer time of BUNDLE in ONNX Runtime, TensorRT and PyTorch, as a table and an HTML page."""
     from deploykit.bundle.write import write_json
     from deploykit.tools import bench as benchmark
@@ -178,7 +181,7 @@ def profile(bundle, model, factory, trust_pickle, batch, device, only, warmup, i
     with handle_errors(verbose):
         opened = _open_checked(bundle, allow_failed)
         settings = profiling.Settings(batch, benchmark.resolve_device(device), warmup, iterations,
-                                      op_library=not no_op_library)
+                                      op_library=not no_op_library, trust_native=trust_bundle)
         source = None
         if selected is None or "pytorch" in selected:
             source = benchmark.load_source(opened, model, factory, trust_pickle)

@@ -21,6 +21,7 @@ import torch
 from deploykit.backends.onnxruntime.loader import OpLibrary, find_op_library
 from deploykit.backends.onnxruntime.runner import OnnxRuntimeRunner
 from deploykit.backends.torch.runner import TorchRunner
+from deploykit.bundle import trust
 from deploykit.bundle import write as bundle
 from deploykit.bundle.format import MODEL, REFERENCE_MODEL, REPORT, REPORT_PAGE
 from deploykit.bundle.manifest import build_manifest
@@ -158,6 +159,7 @@ def _write_bundle(state: ConversionState) -> None:
         bundle.write_json(staging / REPORT, state.report)
         (staging / REPORT_PAGE).write_text(render_html(state.report, state.validations))
         manifest.update(build_manifest(state))
+    trust.record_written([entry["sha256"] for entry in manifest["native"]])
 
 
 def _reduced_precision(state: ConversionState) -> bool:

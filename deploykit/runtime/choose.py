@@ -64,15 +64,19 @@ def has_gpu() -> bool:
 
 
 def load(bundle: str | Path, backend: str = "auto", device: str = "auto", *, allow_failed: bool = False,
-         op_library: bool = True, verify: bool = True, allow_unvalidated: bool = False, **options) -> Runner:
+         op_library: bool = True, verify: bool = True, allow_unvalidated: bool = False, trust_native: bool = False,
+         **options) -> Runner:
     """Open a bundle and return a runner for it.
 
     ``backend``: auto (the engine where this GPU runs it, else ONNX Runtime), onnxruntime or
     tensorrt. ``device``: auto, cpu, cuda or cuda:N. Files are checked against the manifest's
-    sha256 (``verify=False`` skips it); a bundle that failed validation raises
-    ValidationFailed unless ``allow_failed``. A batch outside the range the bundle was validated
-    for raises BadInputError unless ``allow_unvalidated`` (ONNX Runtime then runs it and says so
-    in ``runner.notes``; an engine runs only the batches it was built for). ``options`` go to the runner (ONNX Runtime:
+    sha256 (``verify=False`` skips it). Native code from the bundle (its op library, an engine's
+    plugins) runs only when this machine's deploykit made it, or with ``trust_native=True``
+    (else a foreign op library is swapped for this machine's build, or refused). A bundle that
+    failed validation raises ValidationFailed unless ``allow_failed``. A batch outside the range
+    the bundle was validated for raises BadInputError unless ``allow_unvalidated`` (ONNX Runtime
+    then runs it and says so in ``runner.notes``; an engine runs only the batches it was built
+    for). ``options`` go to the runner (ONNX Runtime:
     threads, cuda_graph, stream, tf32, profile_prefix). Why a backend was chosen and what differs from the
     conversion machine are in ``runner.notes``; the latter are also issued as warnings.
     """
@@ -83,10 +87,11 @@ def load(bundle: str | Path, backend: str = "auto", device: str = "auto", *, all
     if chosen == "tensorrt":
         if options:
             raise BadInputError(f"{', '.join(options)} apply to ONNX Runtime only; this bundle runs its TensorRT engine")
-        runner = load_tensorrt_engine(opened, opened.engines[0], device_id, verify=verify, notes=notes)
+        runner = load_tensorrt_engine(opened, opened.engines[0], device_id, verify=verify, notes=notes,
+                                      trust_native=trust_native)
     else:
         runner = load_onnxruntime(opened, kind, device_id, op_library=op_library, verify=verify, notes=notes,
-                                  allow_unvalidated=allow_unvalidated, **options)
+                                  allow_unvalidated=allow_unvalidated, trust_native=trust_native, **options)
     for note in runner.warnings:
         warnings.warn(note, RuntimeWarning, stacklevel=2)
     return runner

@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 
 from deploykit import runtime
+from deploykit.bundle.trust import UntrustedNativeCode
 from deploykit.errors import BadInputError, DeployKitError, error_summary
 from deploykit.versions import tool_versions
 
@@ -46,6 +47,7 @@ class Settings:
     max_seconds: float = 20.0
     seed: int = 0
     tf32: bool = False  # let fp32 matrix products round to TF32 (ONNX Runtime's and PyTorch's alike)
+    trust_native: bool = False  # load the bundle's native code even where this machine did not build it
 
 
 @dataclasses.dataclass
@@ -108,7 +110,7 @@ def contenders(bundle: runtime.Bundle, settings: Settings, source: SourceModel, 
     timed in ONNX Runtime in the same run.
     """
     graph = "ONNX Runtime: deploykit graph" + (" + op library" if bundle.op_library else "")
-    device, tf32 = settings.device, settings.tf32
+    device, tf32, trust_native = settings.device, settings.tf32, settings.trust_native
     precision = bundle.manifest.get("precision", "fp32")
     plans = [
         ("pytorch", "PyTorch eager", lambda: _eager(source, device)),
@@ -122,17 +124,19 @@ def contenders(bundle: runtime.Bundle, settings: Settings, source: SourceModel, 
     plans += [
         ("ort-plain", "ONNX Runtime: plain export", lambda: _plain(bundle, device, tf32, source, plain_onnx, export_plain)),
         ("ort-functions", "ONNX Runtime: deploykit graph, ONNX functions", lambda: _ort(bundle, device, tf32, False)),
-        ("ort-deploykit", graph, lambda: _ort(bundle, device, tf32, True)),
-        ("ort-cuda-graph", "ONNX Runtime: deploykit graph, CUDA graph", lambda: _ort_cuda_graph(bundle, device, tf32)),
+        ("ort-deploykit", graph, lambda: _ort(bundle, device, tf32, True, trust_native)),
+        ("ort-cuda-graph", "ONNX Runtime: deploykit graph, CUDA graph",
+         lambda: _ort_cuda_graph(bundle, device, tf32, trust_native)),
     ]
     if baseline is not None:
         name = f"{baseline.path.name} ({baseline.manifest.get('precision', 'fp32')})"
         plans += [
-            ("baseline", f"ONNX Runtime: baseline bundle {name}", lambda: _ort(baseline, device, tf32, True)),
+            ("baseline", f"ONNX Runtime: baseline bundle {name}",
+             lambda: _ort(baseline, device, tf32, True, trust_native)),
             ("baseline-cuda-graph", f"ONNX Runtime: baseline bundle {name}, CUDA graph",
-             lambda: _ort_cuda_graph(baseline, device, tf32)),
+             lambda: _ort_cuda_graph(baseline, device, tf32, trust_native)),
         ]
-    plans.append(("tensorrt", "TensorRT engine", lambda: _tensorrt(bundle, device)))
+    plans.append(("tensorrt", "TensorRT engine", lambda: _tensorrt(bundle, device, trust_native)))
     if not bundle.op_library:  # without our ops the two deploykit-graph contenders are the same
         plans = [plan for plan in plans if plan[0] != "ort-functions"]
     found = [_contender(key, label, plan, only) for key, label, plan in plans]
@@ -240,7 +244,7 @@ def _plain(bundle, device, tf32: bool, source: SourceModel, plain_onnx: Path | N
     if plain_onnx is None and source.loaded is None:
         return f"--export-plain needs the source model: {source.reason}"
     model = Path(plain_onnx) if plain_onnx else export_plain_onnx(bundle, source.loaded)
-    return _ort(bundle, device, tf32, False, model)
+    return _ort(bundle, device, tf32, False, model=model)
 
 
 def export_plain_onnx(bundle: runtime.Bundle, loaded) -> Path:
@@ -271,14 +275,15 @@ def _bench_stream(device: str) -> int | None:
     return runtime.TorchMemory(0).stream() if device == "cuda" else None
 
 
-def _ort(bundle, device, tf32: bool, op_library: bool, model: Path | None = None):
+def _ort(bundle, device, tf32: bool, op_library: bool, trust_native: bool = False, model: Path | None = None):
     if device == "cuda" and not runtime.ort_has_cuda():
         return f"onnxruntime has no {runtime.CUDA_EP} (pip install onnxruntime-gpu)"
 
     def setup():
         # timing, not outputs: any batch the user asks for is measured, validated or not
         runner = runtime.load_onnxruntime(bundle, device, op_library=op_library, model=model,
-                                          stream=_bench_stream(device), tf32=tf32, allow_unvalidated=True)
+                                          stream=_bench_stream(device), tf32=tf32, allow_unvalidated=True,
+                                          trust_native=trust_native)
 
         def prepare(feeds: dict) -> Step:
             given = dict(zip(feeds, _torch_feeds(feeds, device))) if device == "cuda" else feeds
@@ -289,16 +294,17 @@ def _ort(bundle, device, tf32: bool, op_library: bool, model: Path | None = None
     return setup
 
 
-def _ort_cuda_graph(bundle, device, tf32: bool):
+def _ort_cuda_graph(bundle, device, tf32: bool, trust_native: bool):
     if device != "cuda" or not runtime.ort_has_cuda():
         return f"CUDA graphs need a GPU and onnxruntime-gpu's {runtime.CUDA_EP}"
-    return lambda: functools.partial(cuda_graph_step, bundle, tf32)
+    return lambda: functools.partial(cuda_graph_step, bundle, tf32, trust_native)
 
 
-def cuda_graph_step(bundle: runtime.Bundle, tf32: bool, feeds: dict) -> Step:
+def cuda_graph_step(bundle: runtime.Bundle, tf32: bool, trust_native: bool, feeds: dict) -> Step:
     """A session per batch size with CUDA graphs on: ORT captures the first run and replays it,
     which needs inputs and outputs at fixed device addresses (IOBinding)."""
-    runner = runtime.load_onnxruntime(bundle, "cuda", cuda_graph=True, stream=_bench_stream("cuda"), tf32=tf32)
+    runner = runtime.load_onnxruntime(bundle, "cuda", cuda_graph=True, stream=_bench_stream("cuda"), tf32=tf32,
+                                      trust_native=trust_native)
     memory = runtime.TorchMemory(0)
     given = {name: runtime.as_feed(name, memory.to_device(array)) for name, array in feeds.items()}
     binding = runner.session.io_binding()
@@ -318,7 +324,7 @@ def cuda_graph_step(bundle: runtime.Bundle, tf32: bool, feeds: dict) -> Step:
     return step
 
 
-def _tensorrt(bundle: runtime.Bundle, device: str):
+def _tensorrt(bundle: runtime.Bundle, device: str, trust_native: bool):
     if not bundle.engines:
         return "the bundle has no engine (convert with --backend tensorrt)"
     if device != "cuda":
@@ -329,7 +335,7 @@ def _tensorrt(bundle: runtime.Bundle, device: str):
         return problem
 
     def setup():
-        runner = runtime.load_tensorrt_engine(bundle, entry)
+        runner = runtime.load_tensorrt_engine(bundle, entry, trust_native=trust_native)
 
         def prepare(feeds: dict) -> Step:
             given, sync = dict(zip(feeds, _torch_feeds(feeds, "cuda"))), _synchronize("cuda")
@@ -442,6 +448,8 @@ def bench_contender(contender: Contender, settings: Settings, specs: list[dict],
             first = time.perf_counter() - start
             entry["results"].append({**summarize(measure(step, settings), batch), "first_call_s": first})
         entry["status"] = "ok"
+    except UntrustedNativeCode:  # consent is the user's decision, not a backend failing
+        raise
     except Exception as error:  # noqa: BLE001 - one backend failing must not end the run
         entry.update(status="failed", reason=error_summary(error)[:300])
     finally:

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from deploykit.bundle import read
+from deploykit.bundle import read, trust
 from deploykit.bundle.format import REFERENCE_MODEL, REPORT
 from deploykit.errors import BadInputError
 from deploykit.passes.precision import FLOAT, emulate
@@ -39,12 +39,13 @@ class BundleGraphs:
     io_precision: str | None
 
 
-def open_bundle(path: Path) -> BundleGraphs:
-    """The bundle's graphs and op library, as they are now: debug examines files whatever their
-    sha256 (a graph may have been edited since conversion), so they are not verified."""
+def open_bundle(path: Path, trust_native: bool = False) -> BundleGraphs:
+    """The bundle's graphs and op library: debug examines graphs whatever their sha256 (one may have
+    been edited since conversion), but the op library is native code, so it is verified and goes
+    through the trust decision like every loader's."""
     bundle = read.open_bundle(path)
     reference = _file_if_present(bundle, bundle.manifest.get("reference_model") or REFERENCE_MODEL)
-    library = _file_if_present(bundle, bundle.op_library["file"]) if bundle.op_library else None
+    library = trust.op_library(bundle, trust_native=trust_native) if bundle.op_library else None
     return BundleGraphs(
         bundle.path, bundle.manifest, onnx.load(bundle.file(bundle.model, verify=False)),
         onnx.load(reference) if reference else None, library, bundle.precision, _io_precision(bundle),

@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 from deploykit import runtime
+from deploykit.bundle import trust
 from deploykit.bundle.read import FileProblem
 
 TORCH_INDEX = "pip install torch --index-url https://download.pytorch.org/whl/cu{cuda}"
@@ -52,7 +53,7 @@ class Environment:
 # --------------------------------------------------------------------------- gathering facts
 
 
-def gather(bundle: runtime.Bundle | None = None) -> Environment:
+def gather(bundle: runtime.Bundle | None = None, trust_native: bool = False) -> Environment:
     from deploykit.backends.tensorrt.shim import local_gpus
 
     env = Environment(gpus=local_gpus(), torch=_torch_facts(), nvcc=_nvcc_version(),
@@ -63,7 +64,7 @@ def gather(bundle: runtime.Bundle | None = None) -> Environment:
         if version:
             env.tensorrt[flavour] = version
             env.rtx_targets = targets or env.rtx_targets
-    env.libraries = _library_facts(bundle)
+    env.libraries = _library_facts(bundle, trust_native)
     return env
 
 
@@ -122,15 +123,19 @@ def _ort_facts() -> dict | None:
     return {"version": ort.__version__, "providers": ort.get_available_providers(), "distributions": installed}
 
 
-def _library_facts(bundle: runtime.Bundle | None) -> dict[str, str]:
-    """Whether our libraries load here: the bundle's op library, else the newest cached build's."""
+def _library_facts(bundle: runtime.Bundle | None, trust_native: bool = False) -> dict[str, str]:
+    """Whether our libraries load here: the bundle's op library (as the trust decision allows, so a
+    foreign one is refused or replaced by this machine's build), else the newest cached build's."""
     libraries = {}
     if bundle is not None and bundle.op_library:
-        name = bundle.op_library["file"]
         try:
-            libraries[f"bundle {name}"] = _ort_library_loads(bundle.file(name, verify=False))
+            path = trust.op_library(bundle, trust_native=trust_native)
         except FileProblem as problem:
-            libraries[f"bundle {name}"] = problem.kind
+            libraries[f"bundle {bundle.op_library['file']}"] = problem.kind
+        else:
+            ours = path.parent != bundle.path
+            label = f"{path.name} (this machine's build, for the bundle's)" if ours else f"bundle {path.name}"
+            libraries[label] = _ort_library_loads(path)
     elif (build := _newest_build()) is not None:
         for name, relative in build.get("libraries", {}).items():
             path = build["dir"] / relative
@@ -321,10 +326,11 @@ def _check_files(bundle: runtime.Bundle) -> Check:
 CHECKS = (check_gpu, check_torch, check_nvcc, check_onnxruntime, check_tensorrt, check_cuda_python, check_libraries)
 
 
-def diagnose(bundle_path: Path | None = None, env: Environment | None = None) -> tuple[list[Check], Environment]:
+def diagnose(bundle_path: Path | None = None, env: Environment | None = None,
+             trust_native: bool = False) -> tuple[list[Check], Environment]:
     """All checks for this machine (and a bundle); gathers the environment unless given."""
     bundle = runtime.open_bundle(bundle_path) if bundle_path is not None else None
-    env = env or gather(bundle)
+    env = env or gather(bundle, trust_native)
     checks = [check for function in CHECKS for check in function(env)]
     if bundle is not None:
         checks += check_bundle(bundle, env)

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from deploykit import runtime
+from deploykit.bundle.trust import UntrustedNativeCode
 from deploykit.errors import error_summary
 from deploykit.native.stderr import captured_stderr
 
@@ -32,6 +33,7 @@ class Settings:
     iterations: int = 20
     seed: int = 0
     op_library: bool = True
+    trust_native: bool = False  # load the bundle's native code even where this machine did not build it
 
 
 def layer_table(samples: dict[str, list[float]], kinds: dict[str, tuple[str, str, bool]], runs: int) -> list[dict]:
@@ -79,7 +81,8 @@ def profile_onnxruntime(bundle: runtime.Bundle, feeds: dict, settings: Settings)
     """Run with ORT's profiler on; keep the node events inside the timed runs (not the warm-up)."""
     with tempfile.TemporaryDirectory(prefix="deploykit-profile-") as work:
         runner = runtime.load_onnxruntime(bundle, settings.device, op_library=settings.op_library,
-                                          profile_prefix=str(Path(work) / "ort"), allow_unvalidated=True)  # timing only
+                                          trust_native=settings.trust_native, allow_unvalidated=True,  # timing only
+                                          profile_prefix=str(Path(work) / "ort"))
         for _ in range(settings.warmup + settings.iterations):
             runner.run(feeds)
         events = json.loads(Path(runner.end_profiling()).read_text())
@@ -111,7 +114,7 @@ def profile_onnxruntime(bundle: runtime.Bundle, feeds: dict, settings: Settings)
 
 def profile_tensorrt(bundle: runtime.Bundle, feeds: dict, settings: Settings) -> dict:
     """TensorRT's IProfiler: per-layer times of each synchronous run (layers of a run are sequential)."""
-    runner = runtime.load_tensorrt_engine(bundle, bundle.engines[0])
+    runner = runtime.load_tensorrt_engine(bundle, bundle.engines[0], trust_native=settings.trust_native)
     trt = runner.flavour.module
     plugins = {layer["name"] for layer in bundle.engines[0].get("plugin_layer_list", [])}
 
@@ -245,6 +248,8 @@ def run_profile(bundle: runtime.Bundle, settings: Settings, source=None, only: s
         with stage(f"Profiling {key}"):
             try:
                 sections.append(work())
+            except UntrustedNativeCode:  # consent is the user's decision, not a backend failing
+                raise
             except Exception as error:  # noqa: BLE001 - one backend failing must not end the run
                 sections.append({"backend": key, "status": "failed", "reason": error_summary(error)[:300]})
     return {"bundle": str(bundle.path), "device": settings.device, "batch": next(iter(feeds.values())).shape[0],

@@ -48,10 +48,11 @@ class BundleValidation:
 def validate_bundle(bundle: Path, model: Path, *, factory: str | None = None, trust_pickle: bool = False,
                     feeds_path: Path | None = None, batches: list[int] | None = None, seed: int = 0,
                     tolerances: tuple[str, ...] = (), backend: str = "auto", device: str = "auto",
-                    allow_failed: bool = False, op_library: bool = True) -> BundleValidation:
+                    allow_failed: bool = False, op_library: bool = True,
+                    trust_native: bool = False) -> BundleValidation:
     # validating a batch the conversion did not is what this is for; the runner's notes name it
     runner = runtime.load(bundle, backend, device, allow_failed=allow_failed, op_library=op_library,
-                          allow_unvalidated=True)
+                          allow_unvalidated=True, trust_native=trust_native)
     reference = TorchRunner(load_model(model, factory, trust_pickle), runner.input_names)
     feed_sets = _feed_sets(runner.inputs, feeds_path, batches, seed, runner.notes)
     _check_outputs(reference, feed_sets[0], runner.output_names, model)

@@ -123,7 +123,7 @@ def test_unloadable_op_library_explained(tmp_path, features):
     edit_manifest(bundle, lambda m: m["files"]["libdeploykit_ort.so"].update(
         sha256=sha256_of(library)))
     with pytest.raises(EnvironmentProblem, match="cannot load libdeploykit_ort.so.*op_library=False"):
-        deploykit.load(bundle, device="cpu")
+        deploykit.load(bundle, device="cpu", trust_native=True)  # a changed library loads only with consent
     runner = deploykit.load(bundle, device="cpu", op_library=False)
     assert runner.notes == ["op library not loaded: deploykit ops run as their ONNX functions"] and not runner.warnings
     (want, _) = plain_ort(bundle, {"features": features})

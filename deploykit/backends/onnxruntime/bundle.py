@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from deploykit.bundle import trust
 from deploykit.bundle.read import Bundle
 from deploykit.backends.onnxruntime import loader
 from deploykit.backends.onnxruntime.runner import OnnxRuntimeRunner
@@ -15,15 +16,17 @@ def load_onnxruntime(bundle: Bundle, device: str = "cpu", device_id: int = 0, *,
                      verify: bool = True, model: Path | None = None, threads: int | None = None,
                      cuda_graph: bool = False, stream: int | None = None, tf32: bool = False,
                      profile_prefix: str | None = None, notes: list[str] | None = None,
-                     allow_unvalidated: bool = False) -> OnnxRuntimeRunner:
+                     allow_unvalidated: bool = False, trust_native: bool = False) -> OnnxRuntimeRunner:
     """The bundle's graph on the CPU or the CUDA provider, with deploykit's op library registered.
 
     ``op_library=False`` runs the graph's ONNX function fallbacks instead of our kernels;
     ``model`` swaps in another graph with the same signature (bench's plain export);
-    ``allow_unvalidated`` runs batches outside the validated range (the runner notes them).
+    ``allow_unvalidated`` runs batches outside the validated range (the runner notes them); the
+    bundle's library is registered only as :func:`deploykit.bundle.trust.op_library` allows
+    (``trust_native``).
     """
     notes = list(notes or [])
-    library = bundle.file(bundle.op_library["file"], verify) if op_library and bundle.op_library else None
+    library = trust.op_library(bundle, verify, trust_native, notes) if op_library and bundle.op_library else None
     tf32_on = tf32 and device == "cuda"
     options = loader.session_options(op_library=library, threads=threads, profile_prefix=profile_prefix, tf32=tf32_on)
     if tf32_on:

@@ -1,5 +1,6 @@
-"""Open a serialized engine to run: deserialize it (plugins embedded, so host code is allowed)
-and make its execution context, with TensorRT-RTX's runtime cache.
+"""Open a serialized engine to run: deserialize it (host code allowed only where the caller says:
+our embedded plugins are host code, see :mod:`deploykit.bundle.trust`) and make its execution
+context, with TensorRT-RTX's runtime cache.
 
 RTX compiles kernels when an engine first runs; the runtime cache keeps them across runs.
 """
@@ -13,10 +14,14 @@ from deploykit.backends.tensorrt import compat
 from deploykit.backends.tensorrt.shim import Flavour, installed_tensorrt, local_gpus, logger
 
 
-def deserialize(flavour: Flavour, engine: bytes):
-    """(runtime, engine): the runtime must outlive the engine, so both are returned."""
+def deserialize(flavour: Flavour, engine: bytes, host_code: bool = True):
+    """(runtime, engine): the runtime must outlive the engine, so both are returned.
+
+    ``host_code``: whether the engine's embedded plugin library may run; a bundle's engine gets
+    it from the trust decision, an engine this process just built always may.
+    """
     runtime = flavour.module.Runtime(logger(flavour))
-    runtime.engine_host_code_allowed = True  # the embedded plugin library is host code
+    runtime.engine_host_code_allowed = host_code
     deserialized = runtime.deserialize_cuda_engine(engine)
     if deserialized is None:
         errors, _ = logger(flavour).take()

@@ -34,14 +34,14 @@ class TensorRTRunner(Runner):
     def __init__(self, engine: bytes, requirements: Mapping, device_id: int = 0, *, what: str = "the engine",
                  runtime_cache: Path | None = None, inputs: list[dict] | None = None,
                  outputs: list[dict] | None = None, cast_inputs: bool = False, notes: list[str] | None = None,
-                 name: str | None = None, bundle=None):
+                 name: str | None = None, bundle=None, host_code: bool = True):
         problem = compat.engine_problem_here(requirements)
         if problem:
             raise EnvironmentProblem(f"cannot run {what} here: {problem}")
         self.what, self.cast_inputs = what, cast_inputs
         self.flavour = load_tensorrt(requirements["flavour"])
         self.memory = device_memory(device_id)
-        self._runtime, self.engine = deserialize(self.flavour, engine)
+        self._runtime, self.engine = deserialize(self.flavour, engine, host_code)
         self.cache = RuntimeCache(runtime_cache) if runtime_cache and self.flavour.is_rtx else None
         self.context = execution_context(self.flavour, self.engine, self.cache)
         engine_inputs, engine_outputs = self._engine_specs()

@@ -1,0 +1,135 @@
+"""Native code from a bundle runs only when this machine's deploykit made it, or with consent:
+the decision (deploykit.bundle.trust) as deploykit.load, inspect and the manifest see it."""
+
+from __future__ import annotations
+
+import pytest
+
+import deploykit
+from deploykit.bundle import trust
+from deploykit.bundle.inspect import describe_bundle
+from deploykit.bundle.read import Bundle, open_bundle
+from deploykit.errors import EXIT_BAD_INPUT, EnvironmentProblem
+from deploykit.bundle.format import sha256_of
+from converted_bundles import converted, copy_bundle, edit_manifest
+from foreign_library import LIBRARY, foreign_bundle
+
+
+@pytest.fixture
+def no_local_build(monkeypatch):
+    """This machine cannot build the op library, so a foreign one cannot be swapped for it."""
+    def cannot_build():
+        raise EnvironmentProblem("no toolchain")
+    monkeypatch.setattr(trust.native, "find_ort_library", cannot_build)
+
+
+def test_foreign_library_refused_without_consent(tmp_path, no_local_build):
+    bundle, marker = foreign_bundle(tmp_path)
+    with pytest.raises(trust.UntrustedNativeCode, match=f"{LIBRARY} is native code this machine's deploykit did "
+                       r"not build .*unchanged since the manifest was written.*trust_native=True \(--trust-bundle\)"
+                       r".*op_library=False \(--no-op-library\)") as refused:
+        deploykit.load(bundle, device="cpu")
+    assert refused.value.exit_code == EXIT_BAD_INPUT and not marker.exists()
+    assert deploykit.load(bundle, device="cpu", op_library=False).library is None and not marker.exists()
+
+
+def test_foreign_library_loads_with_consent(tmp_path, no_local_build):
+    bundle, marker = foreign_bundle(tmp_path)
+    with pytest.raises(EnvironmentProblem, match="cannot load"):  # it has no RegisterCustomOps, but it ran
+        deploykit.load(bundle, device="cpu", trust_native=True)
+    assert marker.read_text() == "loaded"
+
+
+def test_foreign_library_replaced_by_this_machines_build(tmp_path):
+    bundle, marker = foreign_bundle(tmp_path)
+    runner = deploykit.load(bundle, device="cpu")
+    assert runner.library == trust.native.find_ort_library() and not marker.exists()
+    assert any("was not built here: using this machine's build" in note for note in runner.notes)
+
+
+def test_unchanged_library_loads_without_consent(no_local_build):
+    bundle = converted("tabular")
+    runner = deploykit.load(bundle, device="cpu")
+    assert runner.library == bundle / LIBRARY
+    assert trust.native_files(open_bundle(bundle))[0].known
+
+
+def test_changed_library_refused_before_the_decision(tmp_path, no_local_build):
+    bundle, marker = foreign_bundle(tmp_path)
+    (bundle / LIBRARY).write_bytes((bundle / LIBRARY).read_bytes() + b"\0")
+    with pytest.raises(deploykit.errors.BadInputError, match="sha256 mismatch"):
+        deploykit.load(bundle, device="cpu", trust_native=True)
+    assert not marker.exists()
+
+
+def test_inspect_names_foreign_native_files(tmp_path):
+    bundle, _ = foreign_bundle(tmp_path)
+    assert describe_bundle(bundle)["native"][0] == {
+        "file": LIBRARY, "kind": trust.OP_LIBRARY, "provenance": trust.FOREIGN, "needs_trust": True}
+    assert not any(n["needs_trust"] for n in describe_bundle(converted("tabular"))["native"])
+
+
+def test_manifest_and_report_record_native_files():
+    manifest = open_bundle(converted("tabular")).manifest
+    [entry] = [n for n in manifest["native"] if n["kind"] == trust.OP_LIBRARY]
+    assert entry["file"] == LIBRARY and entry["sha256"] == manifest["files"][LIBRARY]["sha256"]
+    assert entry["deploykit"] and entry["build"]
+    assert "Native code in the bundle" in (converted("tabular") / "report.html").read_text()
+
+
+def _engine_bundle(tmp_path, plugins: bool) -> tuple[Bundle, dict]:
+    entry = {"file": "model.engine", "plugin_library_sha256": "ab" * 32 if plugins else None,
+             "plugin_layers": 2 if plugins else 0}
+    manifest = {"engines": [entry], "files": {"model.engine": {"sha256": "cd" * 32}}}
+    return Bundle(tmp_path, manifest), entry
+
+
+def test_engine_with_plugins_needs_consent(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEPLOYKIT_CACHE", str(tmp_path / "cache"))
+    bundle, entry = _engine_bundle(tmp_path, plugins=True)
+    with pytest.raises(trust.UntrustedNativeCode, match=r"model.engine is native code.*--trust-bundle.*"
+                                                         r"--backend onnxruntime"):
+        trust.engine_host_code_allowed(bundle, entry)
+    assert trust.engine_host_code_allowed(bundle, entry, trust_native=True)
+    trust.record_written(["cd" * 32])  # convert wrote this engine on this machine
+    assert trust.engine_host_code_allowed(bundle, entry)
+    assert trust.native_files(bundle)[0].provenance == trust.WRITTEN_HERE
+
+
+def test_engine_without_plugins_runs_no_host_code(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEPLOYKIT_CACHE", str(tmp_path / "cache"))
+    bundle, entry = _engine_bundle(tmp_path, plugins=False)
+    assert trust.engine_host_code_allowed(bundle, entry) is False and trust.native_files(bundle) == []
+
+
+def _engine_of(bundle):
+    opened = open_bundle(bundle)
+    entries = [e for e in opened.engines if trust.has_plugins(e)]
+    if not entries:
+        pytest.skip("no TensorRT here: the bundle has no engine with plugins")
+    return opened, entries[0]
+
+
+def test_bundle_engine_deserialized_with_host_code_only_when_known(tmp_path, monkeypatch):
+    """No GPU here: the runner is replaced by one that records whether host code would be allowed."""
+    from deploykit.backends.tensorrt import bundle as trt_bundle
+
+    class Deserialized(Exception):
+        pass
+
+    def record(*args, host_code, **kwargs):
+        raise Deserialized(host_code)
+
+    monkeypatch.setattr(trt_bundle, "TensorRTRunner", record)
+    with pytest.raises(Deserialized) as deserialized:
+        trt_bundle.load_tensorrt_engine(*_engine_of(converted("tabular")))
+    assert deserialized.value.args == (True,)
+    bundle = copy_bundle("tabular", tmp_path)
+    _, entry = _engine_of(bundle)
+    (bundle / entry["file"]).write_bytes(b"a stranger's engine")
+    edit_manifest(bundle, lambda m: m["files"][entry["file"]].update(sha256=sha256_of(bundle / entry["file"])))
+    with pytest.raises(trust.UntrustedNativeCode, match="--trust-bundle"):
+        trt_bundle.load_tensorrt_engine(*_engine_of(bundle))
+    with pytest.raises(Deserialized) as deserialized:
+        trt_bundle.load_tensorrt_engine(*_engine_of(bundle), trust_native=True)
+    assert deserialized.value.args == (True,)
