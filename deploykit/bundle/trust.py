@@ -117,14 +117,17 @@ def op_library(bundle: Bundle, verify: bool = True, trust_native: bool = False,
     return local
 
 
+def engine_needs_consent(bundle: Bundle, entry: dict, trust_native: bool = False) -> bool:
+    """Whether the engine embeds plugins this machine's deploykit did not make, without consent given."""
+    digest = bundle.manifest["files"][entry["file"]]["sha256"]
+    return has_plugins(entry) and not trust_native and provenance(digest) == FOREIGN
+
+
 def engine_host_code_allowed(bundle: Bundle, entry: dict, trust_native: bool = False) -> bool:
     """Whether deserializing the engine may run host code: only an engine with plugins needs it, and
     then only when it is known here or trusted; UntrustedNativeCode otherwise."""
-    if not has_plugins(entry):
-        return False
-    digest = bundle.manifest["files"][entry["file"]]["sha256"]
-    if trust_native or provenance(digest) != FOREIGN:
-        return True
+    if not engine_needs_consent(bundle, entry, trust_native):
+        return has_plugins(entry)
     raise refusal(entry["file"], bundle, ", or run it on ONNX Runtime (backend='onnxruntime', --backend onnxruntime)")
 
 

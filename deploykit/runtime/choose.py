@@ -6,6 +6,7 @@ import warnings
 from pathlib import Path
 
 from deploykit.errors import BadInputError, EnvironmentProblem
+from deploykit.bundle import trust
 from deploykit.bundle.read import Bundle, check_validation, open_bundle
 from deploykit.backends.base.runner import Runner
 from deploykit.backends.onnxruntime.bundle import load_onnxruntime
@@ -30,8 +31,9 @@ def ort_has_cuda() -> bool:
     return CUDA_EP in ort.get_available_providers()
 
 
-def choose_backend(bundle: Bundle, backend: str, device: str) -> tuple[str, str, list[str]]:
-    """(backend, device, notes): an engine on the GPU when it can run here, else ONNX Runtime."""
+def choose_backend(bundle: Bundle, backend: str, device: str, trust_native: bool = False) -> tuple[str, str, list[str]]:
+    """(backend, device, notes): an engine on the GPU when it can run here (and its plugins may: with
+    ``backend="auto"`` a foreign engine with plugins gives way to ONNX Runtime), else ONNX Runtime."""
     if backend not in BACKENDS:
         raise BadInputError(f"backend {backend!r}: use one of {', '.join(BACKENDS)}")
     notes: list[str] = []
@@ -42,6 +44,9 @@ def choose_backend(bundle: Bundle, backend: str, device: str) -> tuple[str, str,
         else:
             entry = bundle.engines[0]
             problem = engine_problem_here(entry)
+            if problem is None and backend == "auto" and trust.engine_needs_consent(bundle, entry, trust_native):
+                problem = ("its plugins are native code this machine's deploykit did not build "
+                           "(trust_native=True / --trust-bundle runs them)")
             if problem is None:
                 return "tensorrt", "cuda", notes
             if backend == "tensorrt":
@@ -83,7 +88,7 @@ def load(bundle: str | Path, backend: str = "auto", device: str = "auto", *, all
     opened = open_bundle(bundle)
     check_validation(opened, allow_failed)
     kind, device_id = parse_device(device)
-    chosen, kind, notes = choose_backend(opened, backend, kind)
+    chosen, kind, notes = choose_backend(opened, backend, kind, trust_native)
     if chosen == "tensorrt":
         if options:
             raise BadInputError(f"{', '.join(options)} apply to ONNX Runtime only; this bundle runs its TensorRT engine")

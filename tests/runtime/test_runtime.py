@@ -172,6 +172,24 @@ def test_engine_choice_on_a_machine_without_gpu(tabular):
         deploykit.load(tabular, backend="tensorrt", device="cpu")
 
 
+def test_auto_backend_passes_over_a_foreign_engine_with_plugins(monkeypatch, tmp_path):
+    """Where an engine could run, backend="auto" still gives way to ONNX Runtime (with a note) when
+    the engine's plugins were not built here and no consent is given; consent or an explicit
+    backend="tensorrt" picks the engine (whose loader then asks for consent itself)."""
+    from deploykit.bundle.read import Bundle
+    from deploykit.runtime import choose
+
+    monkeypatch.setattr(choose, "engine_problem_here", lambda entry: None)  # as on a GPU it was built for
+    engine = {"file": "m.engine", "flavour": "tensorrt", "version": "10.14", "targets": ["9.0"], "plugin_layers": 2}
+    bundle = Bundle(tmp_path, {"engines": [engine], "files": {"m.engine": {"sha256": "0" * 64, "bytes": 1}}})
+    backend, _, notes = choose.choose_backend(bundle, "auto", "auto")
+    assert backend == "onnxruntime" and any("not build" in note and "--trust-bundle" in note for note in notes)
+    assert choose.choose_backend(bundle, "auto", "auto", trust_native=True)[0] == "tensorrt"
+    assert choose.choose_backend(bundle, "tensorrt", "auto")[0] == "tensorrt"
+    without_plugins = Bundle(tmp_path, {"engines": [{**engine, "plugin_layers": 0}], "files": bundle.manifest["files"]})
+    assert choose.choose_backend(without_plugins, "auto", "auto")[0] == "tensorrt"
+
+
 ENGINE = {"file": "m.engine", "flavour": "tensorrt-rtx", "version": "1.7.1.116", "targets": ["8.6", "12.0"]}
 RTX_TARGETS = ("7.5", "8.0", "8.6", "8.9", "12.0", "12.1")
 
