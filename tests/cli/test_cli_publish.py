@@ -119,9 +119,12 @@ def test_a_full_disk_is_exit_3_and_leaves_nothing(tmp_path, weights):
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signalled_convert_exits_130_and_leaves_nothing(tmp_path, weights, signum):
     out = tmp_path / "out"
+    # a shell starts background jobs (as CI may run us) with SIGINT ignored, which the child would
+    # inherit: give it the default disposition a foreground command has
     child = subprocess.Popen([sys.executable, "-m", "deploykit", "convert", weights, *ARGS, "-o", out],
                              cwd=tmp_path, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": str(HELPERS), "COLUMNS": "200"})
+                             env={**os.environ, "PYTHONPATH": str(HELPERS), "COLUMNS": "200"},
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first_stage = child.stderr.readline()  # a stage has finished: the conversion is under way
     child.send_signal(signum)
     rest = child.stderr.read()
