@@ -105,7 +105,8 @@ def op_library(bundle: Bundle, verify: bool = True, trust_native: bool = False,
     this machine's build (with a note in ``notes``); UntrustedNativeCode when neither."""
     name = bundle.op_library["file"]
     path = bundle.file(name, verify)  # listed in the manifest and unchanged, before anything looks inside
-    if trust_native or provenance(sha256_of(path)) != FOREIGN:
+    digest = bundle.manifest["files"][name]["sha256"] if verify else sha256_of(path)  # verified: the same bytes
+    if trust_native or provenance(digest) != FOREIGN:
         return path
     try:
         local = native.find_ort_library()

@@ -160,7 +160,6 @@ def batch_sizes(specs: list[dict]) -> tuple[int, int, int] | None:
 
 def random_inputs(specs: list[dict], batch: int | None = None, seed: int = 0) -> dict[str, np.ndarray]:
     """Seeded random inputs at ``batch`` (default: the optimum of a dynamic batch)."""
-
     dynamic = batch_sizes(specs)
     batch = batch or (dynamic[1] if dynamic else None)
     shapes = []
