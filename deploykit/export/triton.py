@@ -18,6 +18,7 @@ from deploykit.bundle import trust
 from deploykit.bundle.format import sha256_of
 from deploykit.bundle.read import Bundle, check_validation, open_bundle
 from deploykit.backends.base.feeds import batch_sizes
+from deploykit.backends.onnxruntime.loader import MIN_ORT_FOR_OP_LIBRARY
 from deploykit.errors import BadInputError, EnvironmentProblem
 from deploykit.serving.protocol import datatype_of
 
@@ -207,8 +208,10 @@ def _readme(name: str, bundle: Bundle, platform: str, notes: dict, command: str,
         must_match = (f"- ONNX Runtime **{ort}** validated this model: use a Triton release whose onnxruntime "
                       "backend ships this version (Triton's release notes list it)")
         if notes["library"]:
-            must_match += (f"\n- `{notes['library']}` is deploykit's op library, built against ONNX Runtime {ort}'s "
-                           "C API: the backend registers it from `model_operations`, and it needs that ABI")
+            floor = ".".join(map(str, MIN_ORT_FOR_OP_LIBRARY))
+            must_match += (f"\n- `{notes['library']}` is deploykit's op library: the backend registers it from "
+                           f"`model_operations`; it asks ONNX Runtime's C API for the version of ONNX Runtime {floor}, "
+                           f"so that backend must be ONNX Runtime {floor} or newer")
     else:
         engine = notes["engine"]
         must_match = (f"- TensorRT **{engine['version']}** built `model.plan` for compute capability "

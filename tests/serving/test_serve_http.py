@@ -38,7 +38,9 @@ def reference(bundle):
 
 @pytest.fixture(scope="module")
 def server(bundle):
-    with running_server(bundle, "--device", "cpu", "--instances", "2", "--max-delay-ms", "20") as running:
+    """tabular and transformer_mlp, two instances each."""
+    second = converted_bundles.converted("transformer_mlp")
+    with running_server(bundle, second, "--device", "cpu", "--instances", "2", "--max-delay-ms", "20") as running:
         yield running
 
 
@@ -88,6 +90,15 @@ def test_infer_equals_deploykit_load(client, reference, binary, count):
     assert result.get_response()["id"] == "r1"
     for name in ("output_0", "output_1"):
         np.testing.assert_array_equal(result.as_numpy(name), expected[name])
+
+
+def test_second_model(client):
+    tokens = np.random.default_rng(5).standard_normal((2, 9, 40)).astype(np.float32)
+    tensor = tritonhttp.InferInput("tokens", [2, 9, 40], "FP32")
+    tensor.set_data_from_numpy(tokens)
+    result = client.infer("transformer_mlp", [tensor])
+    expected = deploykit.load(converted_bundles.converted("transformer_mlp"), device="cpu").run(tokens=tokens)
+    np.testing.assert_array_equal(result.as_numpy("output"), expected["output"])
 
 
 def test_all_outputs_in_binary_by_default(client, reference):
@@ -146,7 +157,7 @@ def test_binary_sizes_must_add_up(server):
 
 def test_unknown_model_and_route(server):
     status, _, answer = post(server, "/v2/models/nope/infer", _json_request())
-    assert status == 404 and json.loads(answer)["error"] == f"no model named nope; this server serves {MODEL}"
+    assert status == 404 and json.loads(answer)["error"] == "no model named nope; this server serves tabular, transformer_mlp"
     status, _, answer = get(server, "/v2/models/tabular/versions/2")
     assert status == 404 and "serves version 1" in json.loads(answer)["error"]
     status, _, answer = get(server, "/nothing")
