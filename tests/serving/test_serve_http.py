@@ -155,6 +155,14 @@ def test_binary_sizes_must_add_up(server):
     assert status == 400 and "ends 12 bytes before its binary data" in json.loads(answer)["error"]
 
 
+def test_compressed_request(client, reference):
+    features = rows(2, seed=13)
+    tensor = tritonhttp.InferInput("features", [2, 13], "FP32")
+    tensor.set_data_from_numpy(features)
+    result = client.infer(MODEL, [tensor], request_compression_algorithm="gzip")
+    np.testing.assert_array_equal(result.as_numpy("output_0"), reference(features=features)["output_0"])
+
+
 def test_unknown_model_and_route(server):
     status, _, answer = post(server, "/v2/models/nope/infer", _json_request())
     assert status == 404 and json.loads(answer)["error"] == "no model named nope; this server serves tabular, transformer_mlp"

@@ -8,6 +8,7 @@ counted, timed out or caught by SIGTERM.
 from __future__ import annotations
 
 import concurrent.futures
+import gzip
 import json
 import time
 
@@ -66,6 +67,9 @@ def test_large_request_is_413(guarded):
     big = request + b" " * 5000
     status, _, answer = post(guarded, INFER, big, AUTH)
     assert status == 413 and "larger than 4096 bytes" in json.loads(answer)["error"]
+    bomb = gzip.compress(request + b" " * 100_000)  # small on the wire, large once inflated
+    assert len(bomb) < 4096
+    assert post(guarded, INFER, bomb, {**AUTH, "Content-Encoding": "gzip"})[0] == 413
 
 
 def test_full_queue_is_503_with_retry_after(guarded):
