@@ -13,12 +13,14 @@ import hmac
 import importlib.metadata
 import json
 import logging
+import re
 import time
 import uuid
 import zlib
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from deploykit.serving import protocol
@@ -31,6 +33,8 @@ access_log = logging.getLogger("deploykit.serve.access")
 #: Paths answered without a token: orchestrators probe them without credentials.
 OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")
 UNKNOWN = "-"  # the model label of requests for no served model
+#: A client's X-Request-ID echoed back and logged only when it is a plain token.
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 @dataclasses.dataclass
@@ -73,20 +77,7 @@ def create_app(models: list[ServedModel], limits: Limits) -> FastAPI:
     async def http_error(_request, error: HTTPException):
         return error_response(RequestError(error.status_code, str(error.detail), "http"))
 
-    @app.middleware("http")
-    async def authorize_and_log(request: Request, call_next):
-        started = time.perf_counter()
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
-        if limits.token is not None and request.url.path not in OPEN_PATHS and not _authorized(request, limits.token):
-            metrics.errors.labels(UNKNOWN, "unauthorized").inc()
-            response = error_response(RequestError(401, "missing or wrong bearer token: send the header "
-                                                        "'Authorization: Bearer <token>'", "unauthorized",
-                                                   {"WWW-Authenticate": "Bearer"}))
-        else:
-            response = await call_next(request)
-        response.headers["X-Request-ID"] = request_id
-        _log_access(request, response, request_id, started)
-        return response
+    app.add_middleware(AuthAndAccessLog, token=limits.token, metrics=metrics)
 
     def model_for(name: str, version: str | None) -> ServedModel:
         model = served.get(name)
@@ -171,12 +162,42 @@ def create_app(models: list[ServedModel], limits: Limits) -> FastAPI:
     return app
 
 
+class AuthAndAccessLog:
+    """ASGI middleware: the bearer token checked (health probes excepted), a request id on every
+    response (the client's X-Request-ID when it is a plain token, else a new one), one log line."""
+
+    def __init__(self, app, token: str | None, metrics: Metrics):
+        self.app, self.token, self.metrics = app, token, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started, headers = time.perf_counter(), Headers(scope=scope)
+        given = headers.get("x-request-id", "")
+        request_id = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex[:16]
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":  # logged before the client can see the answer
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                _log_access(scope, headers, message["status"], request_id, started)
+            await send(message)
+
+        if self.token is not None and scope["path"] not in OPEN_PATHS and not _authorized(headers, self.token):
+            self.metrics.errors.labels(UNKNOWN, "unauthorized").inc()
+            refusal = RequestError(401, "missing or wrong bearer token: send the header 'Authorization: Bearer "
+                                        "<token>'", "unauthorized", {"WWW-Authenticate": "Bearer"})
+            await error_response(refusal)(scope, receive, send_with_id)
+        else:
+            await self.app(scope, receive, send_with_id)
+
+
 def error_response(error: RequestError) -> JSONResponse:
     return JSONResponse({"error": str(error)}, status_code=error.status, headers=error.headers)
 
 
-def _authorized(request: Request, token: str) -> bool:
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+def _authorized(headers: Headers, token: str) -> bool:
+    scheme, _, given = headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
@@ -211,15 +232,14 @@ def _decompressed(body: bytes, encoding: str | None, limit: int, too_large: Requ
     return plain
 
 
-def _log_access(request: Request, response, request_id: str, started: float) -> None:
+def _log_access(scope, headers: Headers, status: int, request_id: str, started: float) -> None:
     """One JSON line per request: what a log pipeline indexes without parsing free text."""
     if not access_log.isEnabledFor(logging.INFO):
         return
-    client = request.client
+    client, length = scope.get("client"), headers.get("content-length", "")
     access_log.info(json.dumps({
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "request_id": request_id,
-        "client": f"{client.host}:{client.port}" if client else None, "method": request.method,
-        "path": request.url.path, "status": response.status_code,
-        "ms": round((time.perf_counter() - started) * 1e3, 3),
-        "bytes_in": int(request.headers.get("content-length") or 0),
+        "client": f"{client[0]}:{client[1]}" if client else None, "method": scope["method"],
+        "path": scope["path"], "status": status, "ms": round((time.perf_counter() - started) * 1e3, 3),
+        "bytes_in": int(length) if length.isdigit() else 0,
     }))
