@@ -160,8 +160,9 @@ def batch_stats(port: int, model: str) -> tuple[float, float]:
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as response:
         text = response.read().decode()
-    values = {s.name: s.value for family in text_string_to_metric_families(text) if family.name == "deploykit_batch_size"
-              for s in family.samples if s.labels.get("model") == model and s.name.endswith(("_sum", "_count"))}
+    families = [f for f in text_string_to_metric_families(text) if f.name == "deploykit_batch_size"]
+    values = {s.name: s.value for family in families for s in family.samples
+              if s.labels.get("model") == model and s.name.endswith(("_sum", "_count"))}
     return values.get("deploykit_batch_size_count", 0.0), values.get("deploykit_batch_size_sum", 0.0)
 
 

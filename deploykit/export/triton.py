@@ -218,10 +218,12 @@ def _readme(name: str, bundle: Bundle, platform: str, notes: dict, command: str,
                       f"{', '.join(engine['targets'])}: use a Triton release with exactly this TensorRT, on such a GPU")
         if notes["plugins"]:
             must_match += "\n- the plugin library beside it is the build embedded in the engine; keep them together"
+    verdict = "passed" if bundle.passed else "FAILED"
+    batches = bundle.manifest.get("validation", {}).get("batch_sizes", [])
     return f"""# {name} for Triton Inference Server
 
 Exported by `deploykit export triton` from `{bundle.path.name}` (validation
-{'passed' if bundle.passed else 'FAILED'} at batch sizes {bundle.manifest.get('validation', {}).get('batch_sizes', [])}).
+{verdict} at batch sizes {batches}).
 
 ## Versions that must match
 

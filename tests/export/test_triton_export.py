@@ -34,7 +34,8 @@ def test_onnxruntime_repository_from_the_cli(tmp_path):
     model = tmp_path / "repo" / "tab"
     config = parsed(model)
     assert config.name == "tab" and config.platform == "onnxruntime_onnx" and config.max_batch_size == 4
-    assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [("features", model_config_pb2.TYPE_FP32, [13])]
+    inputs = [(i.name, i.data_type, list(i.dims)) for i in config.input]
+    assert inputs == [("features", model_config_pb2.TYPE_FP32, [13])]
     assert [list(o.dims) for o in config.output] == [[4], [16]]
     assert list(config.dynamic_batching.preferred_batch_size) == [1, 2, 4]
     assert config.dynamic_batching.max_queue_delay_microseconds == 5000

@@ -78,7 +78,8 @@ def test_config_parses_as_triton_model_config(client):
 
     config = json_format.ParseDict(client.get_model_config(MODEL), model_config_pb2.ModelConfig())
     assert config.max_batch_size == 4 and list(config.input[0].dims) == [13]
-    assert config.instance_group[0].count == 2 and config.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
+    group = config.instance_group[0]
+    assert group.count == 2 and group.kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
 
 
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
@@ -165,7 +166,8 @@ def test_compressed_request(client, reference):
 
 def test_unknown_model_and_route(server):
     status, _, answer = post(server, "/v2/models/nope/infer", _json_request())
-    assert status == 404 and json.loads(answer)["error"] == "no model named nope; this server serves tabular, transformer_mlp"
+    assert status == 404
+    assert json.loads(answer)["error"] == "no model named nope; this server serves tabular, transformer_mlp"
     status, _, answer = get(server, "/v2/models/tabular/versions/2")
     assert status == 404 and "serves version 1" in json.loads(answer)["error"]
     status, _, answer = get(server, "/nothing")
