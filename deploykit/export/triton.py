@@ -56,11 +56,9 @@ def model_config(name: str, platform: str, inputs: list[dict], outputs: list[dic
 
 def served_config(model, max_delay_ms: float) -> dict:
     """What ``deploykit serve`` answers for ``/v2/models/NAME/config`` (a ServedModel)."""
-    gpus = sorted({r.device_id for r in model.runners if getattr(r, "device_id", None) is not None}) \
-        if model.runner.device == "cuda" else None
     max_batch = model.max_batch if model.batching else 0
     return model_config(model.name, f"deploykit_{model.runner.backend}", model.inputs, model.outputs, max_batch,
-                        model.buckets, max_delay_ms, len(model.runners), gpus)
+                        model.buckets, max_delay_ms, len(model.runners), model.gpus)
 
 
 def to_pbtxt(message: dict, indent: int = 0) -> str:

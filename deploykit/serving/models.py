@@ -12,6 +12,7 @@ import numpy as np
 
 from deploykit.backends.base.feeds import batch_outside_range, batch_sizes, collect_feeds
 from deploykit.errors import BadInputError
+from deploykit.runtime.choose import parse_device
 from deploykit.serving.protocol import RequestError, bad, tensor_metadata
 
 
@@ -37,6 +38,7 @@ class ServedModel:
     name: str
     path: Path
     runners: list
+    placements: list[str]  # the --device each runner was loaded for
     max_batch: int  # rows per run; 1 when the bundle's batch is static
     min_batch: int
     buckets: list[int]  # the batch sizes runs are padded to; empty: run the rows as they come
@@ -53,6 +55,13 @@ class ServedModel:
     @property
     def outputs(self) -> list[dict]:
         return self.runner.outputs
+
+    @property
+    def gpus(self) -> list[int] | None:
+        """The GPUs the instances run on; None on the CPU."""
+        if self.runner.device != "cuda":
+            return None
+        return sorted({parse_device(place)[1] for place in self.placements})
 
     @property
     def batching(self) -> bool:
@@ -104,20 +113,20 @@ def load_models(paths: list[Path], options: ServeOptions) -> list[ServedModel]:
 def _load_model(path: Path, name: str, options: ServeOptions) -> ServedModel:
     from deploykit.runtime import load
 
-    runners = [load(path, options.backend, options.devices[i % len(options.devices)],
-                    allow_failed=options.allow_failed, trust_native=options.trust_native)
-               for i in range(options.instances)]
+    placements = [options.devices[i % len(options.devices)] for i in range(options.instances)]
+    runners = [load(path, options.backend, place, allow_failed=options.allow_failed, trust_native=options.trust_native)
+               for place in placements]
     dynamic = batch_sizes(runners[0].inputs)
     batchable = dynamic is not None and all(_follows_batch(spec, runners[0].inputs) for spec in runners[0].outputs)
     if not batchable:
-        return ServedModel(name, path, runners, 1, 1, [], options.allow_nan)
+        return ServedModel(name, path, runners, placements, 1, 1, [], options.allow_nan)
     low, _, high = dynamic
     max_batch = options.max_batch or high
     if not low <= max_batch <= high:
         raise BadInputError(f"--max-batch {max_batch} is outside {name}'s batch range {low}..{high}: "
                             "choose one in it (or convert with a wider --batch)")
     buckets = choose_buckets(options.buckets, runners[0], low, max_batch)
-    return ServedModel(name, path, runners, max_batch, low, buckets, options.allow_nan)
+    return ServedModel(name, path, runners, placements, max_batch, low, buckets, options.allow_nan)
 
 
 def _follows_batch(output: dict, inputs: list[dict]) -> bool:
