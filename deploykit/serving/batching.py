@@ -134,14 +134,14 @@ class Batcher:
     def _split(self, outputs: dict, batch: list[Pending]) -> list[dict]:
         if not self.model.batching:
             return [outputs]
+        rows, wanted = {name: np.shape(value)[0] for name, value in outputs.items()}, sum(p.rows for p in batch)
+        if any(n < wanted for n in rows.values()):
+            raise RuntimeError(f"outputs have {rows} rows for {wanted} input rows: serve with --max-batch 1")
         results, start = [{} for _ in batch], 0
         for pending, result in zip(batch, results):
             for name, value in outputs.items():
                 result[name] = value[start:start + pending.rows]
             start += pending.rows
-        rows = {name: np.shape(value)[0] for name, value in outputs.items()}
-        if any(n < start for n in rows.values()):
-            raise RuntimeError(f"outputs have {rows} rows for {start} input rows: serve with --max-batch 1")
         return results
 
 
