@@ -1,0 +1,223 @@
+"""Load test of ``deploykit serve``: C concurrent clients x R requests each on 127.0.0.1, with
+dynamic batching on and off; every answer is checked against ``deploykit run`` on the same input.
+
+Each client is a thread with one keep-alive connection sending binary-tensor requests of
+``--rows`` rows, drawn from a few seeded inputs whose reference outputs ``deploykit run`` wrote.
+The run ends by itself (a fixed number of requests); it fails (exit 1) on any error or wrong answer.
+
+Usage: python benchmarks/serve_load.py BUNDLE [--device cpu|cuda[:N]] [--clients 32] [--requests 200]
+                                       [--rows 1] [--instances 1] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+DISTINCT_INPUTS = 4
+#: (label, serve options): batching on with the defaults, off with one request per run.
+MODES = [("batching on", []), ("batching off", ["--max-batch", "1", "--max-delay-ms", "0"])]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("bundle", type=Path)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=200, help="per client")
+    parser.add_argument("--rows", type=int, default=1, help="rows per request")
+    parser.add_argument("--instances", type=int, default=1)
+    parser.add_argument("--out", type=Path, help="write serve_load.md and serve_load.json here")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="serve-load-") as work:
+        cases = reference_cases(args.bundle, args.device, args.rows, Path(work))
+        results = [run_mode(label, extra, cases, args) for label, extra in MODES]
+    table = markdown(results, args)
+    print(table)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "serve_load.md").write_text(table + "\n")
+        (args.out / "serve_load.json").write_text(json.dumps({"machine": machine(args.device), "args": {
+            k: str(v) for k, v in vars(args).items()}, "results": results}, indent=2))
+    failed = [r for r in results if r["errors"] or r["wrong"]]
+    return 1 if failed else 0
+
+
+def deploykit_cli(*args) -> None:
+    subprocess.run([sys.executable, "-m", "deploykit", *map(str, args)], check=True, capture_output=True, text=True)
+
+
+def reference_cases(bundle: Path, device: str, rows: int, work: Path) -> list[tuple[dict, dict]]:
+    """(inputs, outputs) pairs: seeded random inputs and what ``deploykit run`` gives for them."""
+    from deploykit.bundle.read import open_bundle
+    from deploykit.runtime import random_inputs
+
+    specs = open_bundle(bundle).inputs
+    cases = []
+    for seed in range(DISTINCT_INPUTS):
+        inputs = random_inputs(specs, rows, seed)
+        np.savez(work / f"x{seed}.npz", **inputs)
+        deploykit_cli("run", bundle, "--device", device, "--inputs", work / f"x{seed}.npz", "-o", work / f"y{seed}.npz")
+        with np.load(work / f"y{seed}.npz") as outputs:
+            cases.append((inputs, dict(outputs)))
+    return cases
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_server(bundle: Path, device: str, instances: int, extra: list[str]) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "deploykit", "serve", str(bundle), "--device", device,
+                                "--instances", str(instances), "--port", str(port), "--no-access-log",
+                                "--max-queue", "4096", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"deploykit serve exited {process.returncode}: {process.stderr.read().decode()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1):
+                return process, port
+        except OSError:
+            time.sleep(0.2)
+    process.kill()
+    raise SystemExit("deploykit serve did not become ready within 120 s")
+
+
+def request_body(inputs: dict[str, np.ndarray]) -> tuple[bytes, int]:
+    """A binary-tensor infer request (the JSON header's length goes in Inference-Header-Content-Length)."""
+    from deploykit.serving.protocol import datatype_of
+
+    tensors = [{"name": name, "shape": list(a.shape), "datatype": datatype_of(a.dtype.name),
+                "parameters": {"binary_data_size": a.nbytes}} for name, a in inputs.items()]
+    header = json.dumps({"inputs": tensors, "parameters": {"binary_data_output": True}}).encode()
+    return header + b"".join(np.ascontiguousarray(a).tobytes() for a in inputs.values()), len(header)
+
+
+def parse_response(body: bytes, header_length: int) -> dict[str, np.ndarray]:
+    from deploykit.serving.protocol import NUMPY_NAMES, numpy_dtype
+
+    header, offset, outputs = json.loads(body[:header_length]), header_length, {}
+    for entry in header["outputs"]:
+        size = entry["parameters"]["binary_data_size"]
+        dtype = numpy_dtype(NUMPY_NAMES[entry["datatype"]])
+        outputs[entry["name"]] = np.frombuffer(body, dtype, count=size // dtype.itemsize,
+                                               offset=offset).reshape(entry["shape"])
+        offset += size
+    return outputs
+
+
+def client(port: int, model: str, bodies: list, cases: list, count: int, index: int, record: dict) -> None:
+    """One client: ``count`` requests on one connection, latencies and failures into ``record``."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    latencies, errors, wrong, exact = [], 0, 0, 0
+    for i in range(count):
+        case = (index + i) % len(cases)
+        body, header_length = bodies[case]
+        start = time.perf_counter()
+        try:
+            connection.request("POST", f"/v2/models/{model}/infer", body,
+                               {"Inference-Header-Content-Length": str(header_length)})
+            response = connection.getresponse()
+            payload = response.read()
+        except (OSError, http.client.HTTPException):
+            errors += 1
+            connection.close()
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            continue
+        latencies.append(time.perf_counter() - start)
+        if response.status != 200:
+            errors += 1
+            continue
+        got = parse_response(payload, int(response.getheader("Inference-Header-Content-Length")))
+        expected = cases[case][1]
+        same = all(np.array_equal(got[name], expected[name]) for name in expected)
+        exact += same
+        wrong += not same and not all(np.allclose(got[n], expected[n], rtol=1e-5, atol=1e-6) for n in expected)
+    connection.close()
+    record[index] = {"latencies": latencies, "errors": errors, "wrong": wrong, "exact": exact}
+
+
+def batch_stats(port: int, model: str) -> tuple[float, float]:
+    """(runs, rows run) so far, from the server's batch-size histogram."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as response:
+        text = response.read().decode()
+    families = [f for f in text_string_to_metric_families(text) if f.name == "deploykit_batch_size"]
+    values = {s.name: s.value for family in families for s in family.samples
+              if s.labels.get("model") == model and s.name.endswith(("_sum", "_count"))}
+    return values.get("deploykit_batch_size_count", 0.0), values.get("deploykit_batch_size_sum", 0.0)
+
+
+def run_mode(label: str, extra: list[str], cases: list, args) -> dict:
+    model = args.bundle.resolve().name
+    process, port = start_server(args.bundle, args.device, args.instances, extra)
+    try:
+        bodies = [request_body(inputs) for inputs, _ in cases]
+        client(port, model, bodies, cases, 20, 0, {})  # warm-up: sessions, allocators, connections
+        warm_runs, warm_rows = batch_stats(port, model)
+        record: dict = {}
+        threads = [threading.Thread(target=client, args=(port, model, bodies, cases, args.requests, i, record))
+                   for i in range(args.clients)]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        seconds = time.perf_counter() - start
+        runs, rows = batch_stats(port, model)
+    finally:
+        process.terminate()
+        process.wait(60)
+    latencies = np.array([x for r in record.values() for x in r["latencies"]])
+    total = args.clients * args.requests
+    return {"mode": label, "requests": total, "seconds": seconds, "throughput": total / seconds,
+            "rows_per_s": total * args.rows / seconds, "p50_ms": float(np.percentile(latencies, 50) * 1e3),
+            "p99_ms": float(np.percentile(latencies, 99) * 1e3), "runs": runs - warm_runs,
+            "mean_batch": (rows - warm_rows) / max(runs - warm_runs, 1),
+            "errors": sum(r["errors"] for r in record.values()), "wrong": sum(r["wrong"] for r in record.values()),
+            "exact": sum(r["exact"] for r in record.values())}
+
+
+def machine(device: str) -> str:
+    if device.startswith("cuda"):
+        try:
+            name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                  text=True, check=True).stdout.splitlines()[0]
+            return f"{name}, {os.cpu_count()} CPU cores"
+        except (OSError, subprocess.CalledProcessError, IndexError):
+            return f"{device}, {os.cpu_count()} CPU cores"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores"
+
+
+def markdown(results: list[dict], args) -> str:
+    lines = [f"{args.bundle.name} on {args.device} ({machine(args.device)}): {args.clients} clients x "
+             f"{args.requests} requests of {args.rows} row(s), {args.instances} instance(s)", "",
+             "| mode | requests/s | rows/s | p50 ms | p99 ms | runs | mean rows/run | errors | wrong | bit-exact |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        lines.append(f"| {r['mode']} | {r['throughput']:.0f} | {r['rows_per_s']:.0f} | {r['p50_ms']:.2f} | "
+                     f"{r['p99_ms']:.2f} | {r['runs']:.0f} | {r['mean_batch']:.2f} | {r['errors']} | {r['wrong']} | "
+                     f"{r['exact']}/{r['requests']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

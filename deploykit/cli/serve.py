@@ -1,0 +1,112 @@
+"""``deploykit serve | export triton``: bundles behind the Open Inference Protocol, or as a Triton repository."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from deploykit.cli._common import (
+    BUNDLE, EXISTING_FILE, allow_failed_option, console, handle_errors, trust_bundle_option, verbose_option,
+)
+
+
+@click.command("serve")
+@click.argument("bundles", type=BUNDLE, nargs=-1, required=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port (0: any free one).")
+@click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto", show_default=True,
+              help="How deploykit.load runs each bundle.")
+@click.option("--device", "devices", multiple=True, metavar="auto|cpu|cuda[:N]",
+              help="Where instances run, round-robin when repeated (default: auto).")
+@click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Runners per model, each with its own worker.")
+@click.option("--max-batch", type=click.IntRange(min=1), help="Rows per run (default: the bundle's maximum batch).")
+@click.option("--max-delay-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
+              help="How long the oldest queued request waits for others to join its batch.")
+@click.option("--buckets", default="auto", show_default=True, metavar="auto|exact|validated|N,N,...",
+              help="Batch sizes a run is padded to (auto: validated sizes on a GPU, exact rows on a CPU).")
+@click.option("--max-queue", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Requests waiting per model before new ones get 503 with Retry-After.")
+@click.option("--max-request-mb", type=click.FloatRange(min=0, min_open=True), default=64.0, show_default=True,
+              help="Largest request body (413 above it).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              help="Seconds a request may wait for its answer (504 after).")
+@click.option("--token-file", type=EXISTING_FILE, help="Require 'Authorization: Bearer <the file's token>' "
+                                                      "(health endpoints stay open).")
+@click.option("--allow-nan", is_flag=True, help="Pass NaN and infinite inputs to the model instead of refusing them.")
+@click.option("--no-access-log", is_flag=True, help="Do not log one JSON line per request.")
+@allow_failed_option("Serve a bundle whose validation failed.")
+@trust_bundle_option
+@verbose_option()
+def serve(bundles, host, port, backend, devices, instances, max_batch, max_delay_ms, buckets, max_queue,
+          max_request_mb, timeout_s, token_file, allow_nan, no_access_log, allow_failed, trust_bundle, verbose):
+    """Serve BUNDLES over HTTP with the KServe v2 / Open Inference Protocol and dynamic batching.
+
+    Each model is named after its bundle's folder. SIGTERM or Ctrl-C stops accepting requests,
+    answers every accepted one, and exits 0.
+    """
+    from deploykit.serving import server
+    from deploykit.serving.models import ServeOptions, load_models
+
+    with handle_errors(verbose):
+        server.require_serving_packages()
+        from deploykit.serving.app import Limits
+
+        token = _read_token(token_file) if token_file else None
+        options = ServeOptions(backend=backend, devices=tuple(devices) or ("auto",), instances=instances,
+                               max_batch=max_batch, max_delay_ms=max_delay_ms, buckets=buckets, allow_nan=allow_nan,
+                               trust_native=trust_bundle, allow_failed=allow_failed)
+        models = load_models(list(bundles), options)
+        limits = Limits(max_request_bytes=int(max_request_mb * (1 << 20)), max_queue=max_queue, timeout_s=timeout_s,
+                        max_delay_ms=max_delay_ms, token=token)
+    for model in models:
+        for note in model.runner.notes:
+            console.print(f"[yellow]note:[/] {model.name}: {note}", soft_wrap=True)
+        console.print(server.model_summary(model), soft_wrap=True)
+    server.serve(models, limits, host, port, access_log=not no_access_log,
+                 on_started=lambda url: console.print(f"serving at {url} (v2 API, metrics at {url}/metrics)"))
+
+
+def _read_token(path: Path) -> str:
+    from deploykit.errors import BadInputError
+
+    token = path.read_text().strip()
+    if not token or any(c.isspace() for c in token):
+        raise BadInputError(f"--token-file {path}: it must hold one token, without spaces")
+    return token
+
+
+@click.group("export")
+def export() -> None:
+    """Write a bundle for another serving system."""
+
+
+@export.command("triton")
+@click.argument("bundle", type=BUNDLE)
+@click.argument("repo", type=click.Path(path_type=Path, file_okay=False))
+@click.option("--name", help="Model name (default: the bundle's folder name).")
+@click.option("--platform", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime", show_default=True,
+              help="onnxruntime_onnx (the graph and our op library) or tensorrt_plan (the bundle's engine).")
+@click.option("--device", default="cuda", show_default=True, metavar="cpu|cuda[:N]", help="Triton's instance kind.")
+@click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True, help="instance_group count.")
+@click.option("--max-delay-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
+              help="dynamic_batching's max_queue_delay.")
+@click.option("--server-repo", default="/models", show_default=True,
+              help="Where Triton sees REPO (the op library is named by that path).")
+@click.option("--force", is_flag=True, help="Replace REPO/NAME when it exists.")
+@allow_failed_option("Export a bundle whose validation failed.")
+@trust_bundle_option
+@verbose_option()
+def triton(bundle, repo, name, platform, device, instances, max_delay_ms, server_repo, force, allow_failed,
+           trust_bundle, verbose):
+    """Write BUNDLE as REPO/NAME (config.pbtxt, 1/model.onnx or 1/model.plan, README.md) for Triton."""
+    from deploykit.export.triton import export_triton
+
+    with handle_errors(verbose):
+        repo.mkdir(parents=True, exist_ok=True)
+        result = export_triton(bundle, repo, name, platform=platform, max_delay_ms=max_delay_ms, instances=instances,
+                               device=device, server_repo=server_repo, trust_native=trust_bundle,
+                               allow_failed=allow_failed, force=force)
+    console.print(f"Wrote {result.model_dir} ({result.platform}): {', '.join(result.files)}", soft_wrap=True)
+    console.print(f"Serve it with: {result.command}", soft_wrap=True)

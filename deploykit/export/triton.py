@@ -1,0 +1,240 @@
+"""``deploykit export triton``: a bundle as a Triton Inference Server model repository.
+
+``REPO/NAME/config.pbtxt`` and ``REPO/NAME/1/model.onnx`` (platform ``onnxruntime_onnx``, our op
+library beside it under ``model_operations``) or ``REPO/NAME/1/model.plan`` (``tensorrt_plan``,
+our plugin library beside it, loaded with ``--backend-config=tensorrt,plugins=...``), and a
+README with the versions Triton must match. The config is written from the same description
+``deploykit serve`` answers ``/v2/models/NAME/config`` with, so both speak of a model alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+from deploykit.bundle import trust
+from deploykit.bundle.format import sha256_of
+from deploykit.bundle.read import Bundle, check_validation, open_bundle
+from deploykit.backends.base.feeds import batch_sizes
+from deploykit.backends.onnxruntime.loader import MIN_ORT_FOR_OP_LIBRARY
+from deploykit.errors import BadInputError, EnvironmentProblem
+from deploykit.serving.protocol import datatype_of
+
+PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}
+
+
+class Enum(str):
+    """A protobuf enum value: written bare in text format (TYPE_FP32), as a string in JSON."""
+
+
+def tensor_configs(specs: list[dict], batched: bool) -> list[dict]:
+    """Triton's ModelInput/ModelOutput: dims without the batch dimension when Triton batches."""
+    configs = []
+    for spec in specs:
+        dims = [d if isinstance(d, int) and d > 0 else -1 for d in spec["shape"]]
+        configs.append({"name": spec["name"], "data_type": Enum(f"TYPE_{datatype_of(spec['dtype'])}"),
+                        "dims": dims[1:] if batched else dims})
+    return configs
+
+
+def model_config(name: str, platform: str, inputs: list[dict], outputs: list[dict], max_batch: int,
+                 preferred: list[int], max_delay_ms: float, instances: int, gpus: list[int] | None) -> dict:
+    """A ModelConfig as a dict of its protobuf field names (max_batch 0: Triton does not batch)."""
+    config = {"name": name, "platform": platform, "max_batch_size": max_batch,
+              "input": tensor_configs(inputs, max_batch > 0), "output": tensor_configs(outputs, max_batch > 0)}
+    if max_batch > 0:
+        config["dynamic_batching"] = {"preferred_batch_size": preferred,
+                                      "max_queue_delay_microseconds": round(max_delay_ms * 1000)}
+    group = {"count": instances, "kind": Enum("KIND_GPU" if gpus is not None else "KIND_CPU")}
+    if gpus:
+        group["gpus"] = gpus
+    config["instance_group"] = [group]
+    return config
+
+
+def served_config(model, max_delay_ms: float) -> dict:
+    """What ``deploykit serve`` answers for ``/v2/models/NAME/config`` (a ServedModel)."""
+    max_batch = model.max_batch if model.batching else 0
+    return model_config(model.name, f"deploykit_{model.runner.backend}", model.inputs, model.outputs, max_batch,
+                        model.buckets, max_delay_ms, len(model.runners), model.gpus)
+
+
+def to_pbtxt(message: dict, indent: int = 0) -> str:
+    """Protobuf text format of a dict of fields (lists repeat a field; Enum values go bare)."""
+    pad, lines = "  " * indent, []
+    for key, value in message.items():
+        if isinstance(value, dict):
+            lines += [f"{pad}{key} {{", to_pbtxt(value, indent + 1), f"{pad}}}"]
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            for item in value:
+                lines += [f"{pad}{key} {{", to_pbtxt(item, indent + 1), f"{pad}}}"]
+        elif isinstance(value, list):
+            lines.append(f"{pad}{key}: [{', '.join(_scalar(v) for v in value)}]")
+        else:
+            lines.append(f"{pad}{key}: {_scalar(value)}")
+    return "\n".join(line for line in lines if line)
+
+
+def _scalar(value) -> str:
+    if isinstance(value, Enum):
+        return str(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)  # a quoted string with C-style escapes, which text format reads
+    return str(value)
+
+
+@dataclasses.dataclass
+class TritonExport:
+    """What was written: the model folder, its files, and the command that serves it."""
+
+    model_dir: Path
+    platform: str
+    files: list[str]
+    command: str
+
+
+def export_triton(bundle_path: Path, repo: Path, name: str | None = None, *, platform: str = "onnxruntime",
+                  max_delay_ms: float = 2.0, instances: int = 1, device: str = "cuda", server_repo: str = "/models",
+                  trust_native: bool = False, allow_failed: bool = False, force: bool = False) -> TritonExport:
+    """Write ``repo/name`` for Triton. ``server_repo`` is where the repository is mounted in the Triton
+    container (the op library is named by that path); native code goes in only as ``deploykit.load``
+    would run it (made by this machine's deploykit, or ``trust_native``)."""
+    from deploykit.runtime.choose import parse_device
+
+    if platform not in PLATFORMS:
+        raise BadInputError(f"--platform {platform}: use {' or '.join(PLATFORMS)}")
+    bundle = open_bundle(bundle_path)
+    check_validation(bundle, allow_failed)
+    name = name or bundle.path.resolve().name
+    if not name or any(c in name for c in "/\\\0") or name in (".", ".."):
+        raise BadInputError(f"--name {name!r}: a model name is a plain folder name")
+    kind, device_id = parse_device(device)
+    if kind == "auto":
+        raise BadInputError("--device auto: say where Triton runs the model, cpu or cuda[:N]")
+    if platform == "tensorrt" and kind != "cuda":
+        raise BadInputError("TensorRT runs on the GPU only: use --device cuda (or --platform onnxruntime)")
+    model_dir = repo / name
+    if model_dir.exists() and not force:
+        raise BadInputError(f"{model_dir} exists: pass --force to replace it, or choose another --name")
+    dynamic = batch_sizes(bundle.inputs)
+    max_batch = dynamic[2] if dynamic else 0
+    preferred = sorted({b for b in bundle.manifest.get("validation", {}).get("batch_sizes", [])
+                        if dynamic and dynamic[0] <= b <= dynamic[2]})
+    config = model_config(name, PLATFORMS[platform], bundle.inputs, bundle.outputs, max_batch, preferred,
+                          max_delay_ms, instances, [device_id] if kind == "cuda" else None)
+    staging = repo / f".{name}.staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    (staging / "1").mkdir(parents=True)
+    try:
+        files, readme = _write_model(bundle, staging, config, platform, f"{server_repo.rstrip('/')}/{name}",
+                                     trust_native)
+        (staging / "config.pbtxt").write_text(to_pbtxt(config) + "\n")
+        command = _command(server_repo, name, readme["plugins"])
+        (staging / "README.md").write_text(_readme(name, bundle, platform, readme, command, server_repo))
+        if model_dir.exists():
+            shutil.rmtree(model_dir)
+        staging.rename(model_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return TritonExport(model_dir, PLATFORMS[platform], ["config.pbtxt", "README.md", *files], command)
+
+
+def _write_model(bundle: Bundle, out: Path, config: dict, platform: str, served_at: str,
+                 trust_native: bool) -> tuple[list[str], dict]:
+    """The model file and the native library it needs, copied in; what the README must say."""
+    if platform == "onnxruntime":
+        shutil.copyfile(bundle.file(bundle.model), out / "1" / "model.onnx")
+        files, notes = ["1/model.onnx"], {"plugins": None, "library": None}
+        if bundle.op_library:
+            library = trust.op_library(bundle, True, trust_native)
+            shutil.copyfile(library, out / library.name)
+            config["model_operations"] = {"op_library_filename": [f"{served_at}/{library.name}"]}
+            files.append(library.name)
+            notes["library"] = library.name
+        return files, notes
+    entry = _engine_for_triton(bundle)
+    shutil.copyfile(bundle.file(entry["file"]), out / "1" / "model.plan")
+    files, notes = ["1/model.plan"], {"plugins": None, "library": None, "engine": entry}
+    if trust.has_plugins(entry):
+        library = _plugin_library(bundle, entry, trust_native)
+        shutil.copyfile(library, out / library.name)
+        files.append(library.name)
+        notes["plugins"] = f"{served_at}/{library.name}"
+    return files, notes
+
+
+def _engine_for_triton(bundle: Bundle) -> dict:
+    engines = [e for e in bundle.engines if e["flavour"] == "tensorrt"]
+    if not engines:
+        why = ("its engines are TensorRT-RTX, which Triton's TensorRT backend does not run"
+               if bundle.engines else "it has no TensorRT engine")
+        raise BadInputError(f"{bundle.path} cannot be exported as tensorrt_plan: {why}; convert with --backend "
+                            "tensorrt on the GPU Triton runs on, or export with --platform onnxruntime")
+    return engines[0]
+
+
+def _plugin_library(bundle: Bundle, entry: dict, trust_native: bool) -> Path:
+    """This machine's plugin library when it is the one the engine embeds (Triton loads it beside the
+    engine, so it must be the same build)."""
+    from deploykit.native import build as native
+
+    trust.engine_host_code_allowed(bundle, entry, trust_native)  # consent, as loading the engine needs
+    library = native.build_plugins().tensorrt_library
+    if library is None:
+        raise EnvironmentProblem("the TensorRT plugin library is not built here (deploykit build-plugins says why): "
+                                 "Triton needs it beside the engine")
+    wanted = entry.get("plugin_library_sha256")
+    if wanted and sha256_of(library) != wanted:
+        raise BadInputError(f"{entry['file']} embeds a plugin library other than this machine's build {library}: "
+                            "export on the machine that converted the bundle, or export --platform onnxruntime")
+    return library
+
+
+def _command(server_repo: str, name: str, plugins: str | None) -> str:
+    backend_config = f" --backend-config=tensorrt,plugins={plugins}" if plugins else ""
+    return f"tritonserver --model-repository={server_repo} --model-control-mode=explicit --load-model={name}" \
+           + backend_config
+
+
+def _readme(name: str, bundle: Bundle, platform: str, notes: dict, command: str, server_repo: str) -> str:
+    if platform == "onnxruntime":
+        ort = bundle.recorded_version("onnxruntime-gpu", "onnxruntime") or "unknown"
+        must_match = (f"- ONNX Runtime **{ort}** validated this model: use a Triton release whose onnxruntime "
+                      "backend ships this version (Triton's release notes list it)")
+        if notes["library"]:
+            floor = ".".join(map(str, MIN_ORT_FOR_OP_LIBRARY))
+            must_match += (f"\n- `{notes['library']}` is deploykit's op library: the backend registers it from "
+                           f"`model_operations`; it asks ONNX Runtime's C API for the version of ONNX Runtime {floor}, "
+                           f"so that backend must be ONNX Runtime {floor} or newer")
+    else:
+        engine = notes["engine"]
+        must_match = (f"- TensorRT **{engine['version']}** built `model.plan` for compute capability "
+                      f"{', '.join(engine['targets'])}: use a Triton release with exactly this TensorRT, on such a GPU")
+        if notes["plugins"]:
+            must_match += "\n- the plugin library beside it is the build embedded in the engine; keep them together"
+    verdict = "passed" if bundle.passed else "FAILED"
+    batches = bundle.manifest.get("validation", {}).get("batch_sizes", [])
+    return f"""# {name} for Triton Inference Server
+
+Exported by `deploykit export triton` from `{bundle.path.name}` (validation
+{verdict} at batch sizes {batches}).
+
+## Versions that must match
+
+{must_match}
+
+## Serve it
+
+```bash
+docker run --rm --gpus all -p 8000:8000 -p 8001:8001 -p 8002:8002 \\
+    -v "$PWD/REPO:{server_repo}" nvcr.io/nvidia/tritonserver:YY.MM-py3 \\
+    {command}
+```
+
+Replace `REPO` with this repository's folder and `YY.MM` with the release chosen above. The
+tritonclient code that talks to `deploykit serve` works unchanged against it (HTTP on port 8000).
+"""

@@ -1,0 +1,8 @@
+"""``deploykit serve``: bundles behind the Open Inference Protocol (KServe v2) with dynamic batching.
+
+``protocol`` (the v2 wire format, JSON and binary tensors), ``models`` (bundles loaded by
+``deploykit.load``, one runner per instance, requests checked against the manifest),
+``batching`` (the queue and the worker per runner), ``metrics`` (Prometheus), ``app`` (the
+FastAPI routes, auth, limits, access log) and ``server`` (uvicorn, graceful shutdown). FastAPI,
+uvicorn and prometheus-client come with the ``deploykit[serve]`` extra.
+"""

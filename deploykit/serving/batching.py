@@ -1,0 +1,154 @@
+"""Dynamic batching: requests for one model wait in one queue; one worker thread per runner
+takes what fits in ``max_batch`` rows, waiting at most ``max_delay`` after the oldest request
+arrived, pads the rows up to a bucket size, runs once and splits the outputs back by request.
+
+Threads, not the event loop: runners release the GIL while they compute (ONNX Runtime,
+TensorRT), so N instances run N batches at once while the loop keeps parsing requests.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from concurrent.futures import Future
+
+import numpy as np
+
+from deploykit.errors import BadInputError
+from deploykit.serving.models import ServedModel
+from deploykit.serving.protocol import RequestError
+
+log = logging.getLogger("deploykit.serve")
+
+
+@dataclasses.dataclass
+class Pending:
+    inputs: dict[str, np.ndarray]
+    rows: int
+    future: Future
+    arrived: float
+
+
+class Batcher:
+    """The queue and workers of one model. ``submit`` returns a Future of its outputs."""
+
+    def __init__(self, model: ServedModel, max_delay_s: float, max_queue: int, metrics):
+        self.model, self.max_delay, self.max_queue, self.metrics = model, max_delay_s, max_queue, metrics
+        self._queue: collections.deque[Pending] = collections.deque()
+        self._ready = threading.Condition()
+        self._closed = False
+        self._workers = [threading.Thread(target=self._work, args=(runner,), name=f"{model.name}-{i}", daemon=True)
+                         for i, runner in enumerate(model.runners)]
+        for worker in self._workers:
+            worker.start()
+
+    def submit(self, inputs: dict[str, np.ndarray], rows: int) -> Future:
+        future: Future = Future()
+        with self._ready:
+            if self._closed:
+                raise RequestError(503, "the server is shutting down", "shutting_down", {"Retry-After": "1"})
+            if len(self._queue) >= self.max_queue:
+                raise RequestError(503, f"{self.model.name}'s queue is full ({self.max_queue} requests waiting): "
+                                        "retry later", "queue_full", {"Retry-After": "1"})
+            self._queue.append(Pending(inputs, rows, future, time.perf_counter()))
+            self._queue_changed()
+            self._ready.notify()
+        return future
+
+    def close(self) -> None:
+        """Refuse new requests, let the workers finish every queued one, and wait for them."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
+        for worker in self._workers:
+            worker.join()
+
+    def _queue_changed(self) -> None:
+        self.metrics.queue_depth.labels(self.model.name).set(len(self._queue))
+
+    def _work(self, runner) -> None:
+        while (batch := self._take()) is not None:
+            if batch:
+                self._run(runner, batch)
+
+    def _take(self) -> list[Pending] | None:
+        """The next batch (requests in arrival order, cancelled ones dropped); None once closed and drained."""
+        with self._ready:
+            while not self._queue:
+                if self._closed:
+                    return None
+                self._ready.wait()
+            deadline = self._queue[0].arrived + self.max_delay
+            while (not self._closed and sum(p.rows for p in self._queue) < self.model.max_batch
+                   and (left := deadline - time.perf_counter()) > 0):
+                self._ready.wait(left)
+                if not self._queue:  # another worker took them
+                    return []
+            batch, rows = [], 0
+            while self._queue and (not batch or rows + self._queue[0].rows <= self.model.max_batch):
+                pending = self._queue.popleft()
+                if pending.future.set_running_or_notify_cancel():  # False: it timed out while waiting
+                    batch.append(pending)
+                    rows += pending.rows
+            self._queue_changed()
+            return batch
+
+    def _run(self, runner, batch: list[Pending]) -> None:
+        started = time.perf_counter()
+        rows = sum(p.rows for p in batch)
+        try:
+            outputs = runner.run(self._feeds(batch, rows))
+            results = self._split(outputs, batch)
+        except Exception as error:  # noqa: BLE001 - every waiting request gets an answer
+            failure = _as_request_error(error, self.model.name)
+            for pending in batch:
+                pending.future.set_exception(failure)
+            return
+        finally:
+            self.metrics.observe_run(self.model.name, rows, started, [p.arrived for p in batch])
+        for pending, result in zip(batch, results):
+            pending.future.set_result(result)
+
+    def _feeds(self, batch: list[Pending], rows: int) -> dict[str, np.ndarray]:
+        if not self.model.batching:
+            return batch[0].inputs
+        size = self._bucket(rows)
+        feeds = {}
+        for spec in self.model.inputs:
+            parts = [p.inputs[spec["name"]] for p in batch]
+            if size > rows:
+                parts.append(np.zeros((size - rows, *parts[0].shape[1:]), parts[0].dtype))
+            feeds[spec["name"]] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return feeds
+
+    def _bucket(self, rows: int) -> int:
+        """The smallest bucket that holds ``rows`` (the rows themselves without buckets, or beyond them)."""
+        buckets = self.model.buckets
+        index = bisect.bisect_left(buckets, rows)
+        return buckets[index] if index < len(buckets) else rows
+
+    def _split(self, outputs: dict, batch: list[Pending]) -> list[dict]:
+        if not self.model.batching:
+            return [outputs]
+        rows, wanted = {name: np.shape(value)[0] for name, value in outputs.items()}, sum(p.rows for p in batch)
+        if any(n < wanted for n in rows.values()):
+            raise RuntimeError(f"outputs have {rows} rows for {wanted} input rows: serve with --max-batch 1")
+        results, start = [{} for _ in batch], 0
+        for pending, result in zip(batch, results):
+            for name, value in outputs.items():
+                result[name] = value[start:start + pending.rows]
+            start += pending.rows
+        return results
+
+
+def _as_request_error(error: Exception, model: str) -> RequestError:
+    if isinstance(error, RequestError):
+        return error
+    if isinstance(error, BadInputError):
+        return RequestError(400, str(error))
+    log.exception("model %s failed", model)
+    return RequestError(500, f"{model} failed to run: {type(error).__name__}: {error}", "model_failed")

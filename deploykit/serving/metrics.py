@@ -1,0 +1,49 @@
+"""What ``/metrics`` exposes, in Prometheus' text format (prometheus-client writes it).
+
+One registry per server, so that servers in one process (the tests) do not share counts.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+#: Rows per run: powers of two up to the largest batches bundles are converted for.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+#: Seconds, from a fraction of a millisecond (a small model on a GPU) to the longest timeout.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        labelled = {"registry": self.registry}
+        self.requests = Counter("deploykit_requests", "Infer requests answered, by model and HTTP status.",
+                                ["model", "status"], **labelled)
+        self.errors = Counter("deploykit_request_errors", "Requests refused or failed, by reason.",
+                              ["model", "reason"], **labelled)
+        self.queue_depth = Gauge("deploykit_queue_depth", "Requests waiting for a batch.", ["model"], **labelled)
+        self.batch_size = Histogram("deploykit_batch_size", "Rows per model run (padding excluded).", ["model"],
+                                    buckets=BATCH_BUCKETS, **labelled)
+        self.request_latency = Histogram("deploykit_request_latency_seconds",
+                                         "Infer request time, body received to response ready.", ["model"],
+                                         buckets=LATENCY_BUCKETS, **labelled)
+        self.queue_latency = Histogram("deploykit_queue_latency_seconds", "Time a request waited for its batch.",
+                                       ["model"], buckets=LATENCY_BUCKETS, **labelled)
+        self.run_latency = Histogram("deploykit_run_latency_seconds", "Time of one model run (one batch).",
+                                     ["model"], buckets=LATENCY_BUCKETS, **labelled)
+
+    def observe_run(self, model: str, rows: int, started: float, arrivals: list[float]) -> None:
+        self.batch_size.labels(model).observe(rows)
+        self.run_latency.labels(model).observe(time.perf_counter() - started)
+        for arrived in arrivals:
+            self.queue_latency.labels(model).observe(started - arrived)
+
+    def answered(self, model: str, status: int, reason: str | None = None) -> None:
+        self.requests.labels(model, str(status)).inc()
+        if reason is not None:
+            self.errors.labels(model, reason).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

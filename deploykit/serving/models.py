@@ -1,0 +1,158 @@
+"""The models a server holds: each bundle loaded by ``deploykit.load`` once per instance, so the
+server runs exactly what was validated, and each request checked against the bundle's manifest
+before it is queued (so a bad request never reaches a batch it would spoil for others).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from deploykit.backends.base.feeds import batch_outside_range, batch_sizes, collect_feeds
+from deploykit.errors import BadInputError
+from deploykit.runtime.choose import parse_device
+from deploykit.serving.protocol import RequestError, bad, tensor_metadata
+
+
+@dataclasses.dataclass
+class ServeOptions:
+    """How each bundle is loaded and batched (the CLI's options)."""
+
+    backend: str = "auto"
+    devices: tuple[str, ...] = ("auto",)
+    instances: int = 1
+    max_batch: int | None = None  # None: the bundle's maximum batch
+    max_delay_ms: float = 2.0
+    buckets: str = "auto"  # auto | exact | validated | "1,2,4"
+    allow_nan: bool = False
+    trust_native: bool = False
+    allow_failed: bool = False
+
+
+@dataclasses.dataclass
+class ServedModel:
+    """One bundle, its runners (one per instance) and the batching it allows."""
+
+    name: str
+    path: Path
+    runners: list
+    placements: list[str]  # the --device each runner was loaded for
+    max_batch: int  # rows per run; 1 when the bundle's batch is static
+    min_batch: int
+    buckets: list[int]  # the batch sizes runs are padded to; empty: run the rows as they come
+    allow_nan: bool
+
+    @property
+    def runner(self):
+        return self.runners[0]
+
+    @property
+    def inputs(self) -> list[dict]:
+        return self.runner.inputs
+
+    @property
+    def outputs(self) -> list[dict]:
+        return self.runner.outputs
+
+    @property
+    def gpus(self) -> list[int] | None:
+        """The GPUs the instances run on; None on the CPU."""
+        if self.runner.device != "cuda":
+            return None
+        return sorted({parse_device(place)[1] for place in self.placements})
+
+    @property
+    def batching(self) -> bool:
+        return self.max_batch > 1
+
+    def metadata(self) -> dict:
+        return {"name": self.name, "versions": ["1"], "platform": f"deploykit_{self.runner.backend}",
+                "inputs": [tensor_metadata(s) for s in self.inputs],
+                "outputs": [tensor_metadata(s) for s in self.outputs]}
+
+    def check(self, inputs: dict[str, np.ndarray]) -> int:
+        """The request's rows (its batch); RequestError naming what the manifest refuses."""
+        try:
+            feeds = collect_feeds(inputs, {}, self.inputs)
+        except BadInputError as error:
+            raise bad(str(error)) from None
+        dynamic = batch_sizes(self.inputs)
+        if dynamic is None:
+            return 1
+        rows = {feed.shape[0] for feed in feeds.values()}
+        if len(rows) > 1:
+            raise bad(f"the inputs have different batch sizes ({', '.join(map(str, sorted(rows)))}): give every "
+                      "input the same dimension 0")
+        for spec in self.inputs:
+            if problem := batch_outside_range(feeds[spec["name"]], spec):
+                raise bad(f"{problem}, the batches the bundle was validated for: split the request")
+        if not self.allow_nan:
+            _refuse_non_finite(inputs)
+        return rows.pop()
+
+
+def _refuse_non_finite(inputs: dict[str, np.ndarray]) -> None:
+    for name, array in inputs.items():
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            count = int(array.size - np.isfinite(array).sum())
+            raise RequestError(400, f"input {name} holds {count} NaN or infinite values, which the bundle was not "
+                                    "validated with (serve with --allow-nan to pass them through)")
+
+
+def load_models(paths: list[Path], options: ServeOptions) -> list[ServedModel]:
+    """Every bundle, each under its folder's name, with ``options.instances`` runners placed round-robin."""
+    names = [Path(p).resolve().name for p in paths]
+    if len(set(names)) != len(names):
+        raise BadInputError(f"two bundles are named {next(n for n in names if names.count(n) > 1)}: models are "
+                            "named after their folders, so rename one")
+    return [_load_model(Path(path), name, options) for path, name in zip(paths, names)]
+
+
+def _load_model(path: Path, name: str, options: ServeOptions) -> ServedModel:
+    from deploykit.runtime import load
+
+    placements = [options.devices[i % len(options.devices)] for i in range(options.instances)]
+    runners = [load(path, options.backend, place, allow_failed=options.allow_failed, trust_native=options.trust_native)
+               for place in placements]
+    dynamic = batch_sizes(runners[0].inputs)
+    batchable = dynamic is not None and all(_follows_batch(spec, runners[0].inputs) for spec in runners[0].outputs)
+    if not batchable:
+        return ServedModel(name, path, runners, placements, 1, 1, [], options.allow_nan)
+    low, _, high = dynamic
+    max_batch = options.max_batch or high
+    if not low <= max_batch <= high:
+        raise BadInputError(f"--max-batch {max_batch} is outside {name}'s batch range {low}..{high}: "
+                            "choose one in it (or convert with a wider --batch)")
+    buckets = choose_buckets(options.buckets, runners[0], low, max_batch)
+    return ServedModel(name, path, runners, placements, max_batch, low, buckets, options.allow_nan)
+
+
+def _follows_batch(output: dict, inputs: list[dict]) -> bool:
+    """Whether an output's dimension 0 is the inputs' batch (the same symbol), so a run can be split by rows."""
+    first = output["shape"][0] if output["shape"] else None
+    return (isinstance(first, str) and first == inputs[0]["shape"][0]) or "0" in output.get("dynamic", {})
+
+
+def choose_buckets(choice: str, runner, low: int, max_batch: int) -> list[int]:
+    """Batch sizes a run is padded up to. ``auto``: the validated sizes on a GPU (CUDA graphs and
+    engines are fastest at sizes they were captured or tuned at), the exact rows on a CPU (padding
+    there only adds work); ``validated``, ``exact`` or a list force one."""
+    if choice == "auto":
+        choice = "exact" if runner.device == "cpu" else "validated"
+    if choice == "exact":
+        return []
+    if choice == "validated":
+        manifest = runner.bundle.manifest if runner.bundle is not None else {}
+        sizes = manifest.get("validation", {}).get("batch_sizes", [])
+        tuned = [c["batch"] for c in (manifest.get("tuning") or {}).get("choices", [])]
+        sizes = sorted({s for s in [*sizes, *tuned] if low <= s <= max_batch} | {max_batch})
+        return sizes
+    try:
+        sizes = sorted({int(part) for part in choice.split(",") if part.strip()})
+    except ValueError:
+        raise BadInputError(f"--buckets {choice!r}: use auto, exact, validated or sizes like 1,4,16") from None
+    if not sizes or sizes[0] < low or sizes[-1] > max_batch:
+        raise BadInputError(f"--buckets {choice}: every size must lie in {low}..{max_batch}")
+    return sorted(set(sizes) | {max_batch})

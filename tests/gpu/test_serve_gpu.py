@@ -1,0 +1,54 @@
+"""``deploykit serve`` on the GPU: two instances on cuda:0 share the model's queue, batches form
+under concurrent load, and every answer equals ``deploykit.load``'s on the GPU for the same rows.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+CUDA = "CUDAExecutionProvider"
+if CUDA not in ort.get_available_providers() or not torch.cuda.is_available():
+    pytest.skip(f"needs a GPU and onnxruntime-gpu's {CUDA}", allow_module_level=True)
+tritonhttp = pytest.importorskip("tritonclient.http")
+
+import converted_bundles  # noqa: E402
+from serving import get, metric_samples, running_server  # noqa: E402
+
+import deploykit  # noqa: E402
+
+MODEL = "tabular"
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return converted_bundles.converted(MODEL)
+
+
+def test_two_instances_on_one_gpu(bundle):
+    reference = deploykit.load(bundle, backend="onnxruntime", device="cuda:0")
+    inputs = [np.random.default_rng(seed).standard_normal((1 + seed % 3, 13)).astype(np.float32)
+              for seed in range(96)]
+    with running_server(bundle, "--backend", "onnxruntime", "--device", "cuda:0", "--instances", "2",
+                        "--max-delay-ms", "5") as server:
+        config = json.loads(get(server, f"/v2/models/{MODEL}/config")[2])
+        assert config["instance_group"] == [{"count": 2, "kind": "KIND_GPU", "gpus": [0]}]
+        with tritonhttp.InferenceServerClient(server.url, concurrency=24) as client:
+            started = []
+            for features in inputs:
+                tensor = tritonhttp.InferInput("features", list(features.shape), "FP32")
+                tensor.set_data_from_numpy(features)
+                started.append(client.async_infer(MODEL, [tensor]))
+            results = [request.get_result() for request in started]
+        batches = metric_samples(server, "deploykit_batch_size", model=MODEL)
+    for features, result in zip(inputs, results):
+        expected = reference.run(features=features)
+        for name in ("output_0", "output_1"):
+            np.testing.assert_allclose(result.as_numpy(name), expected[name], rtol=1e-5, atol=1e-6)
+    assert batches["deploykit_batch_size_sum"] == sum(len(x) for x in inputs)
+    assert batches["deploykit_batch_size_count"] < len(inputs)  # requests shared runs

@@ -1,0 +1,72 @@
+"""The batcher in process, on the real runner of the tabular bundle: requests that arrive within
+the delay share one run, runs are padded up to a bucket and split back exactly, and closing
+answers everything still queued.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("prometheus_client")
+
+import converted_bundles  # noqa: E402
+
+from deploykit.errors import BadInputError  # noqa: E402
+from deploykit.serving.batching import Batcher  # noqa: E402
+from deploykit.serving.metrics import Metrics  # noqa: E402
+from deploykit.serving.models import ServeOptions, load_models  # noqa: E402
+from deploykit.serving.protocol import RequestError  # noqa: E402
+
+
+def served(**options):
+    bundle = converted_bundles.converted("tabular")
+    return load_models([bundle], ServeOptions(devices=("cpu",), **options))[0]
+
+
+def rows(count: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((count, 13)).astype(np.float32)
+
+
+def runs_and_rows(metrics: Metrics) -> tuple[float, float]:
+    """How many runs there were and how many rows they held, from the batch-size histogram."""
+    samples = {s.name: s.value for s in metrics.batch_size.labels("tabular").collect()[0].samples}
+    return samples["deploykit_batch_size_count"], samples["deploykit_batch_size_sum"]
+
+
+def test_requests_within_the_delay_share_one_padded_run():
+    model = served(buckets="validated")
+    assert model.buckets == [1, 2, 4] and model.max_batch == 4
+    metrics = Metrics()
+    batcher = Batcher(model, max_delay_s=0.5, max_queue=8, metrics=metrics)
+    inputs = [rows(1, 1), rows(2, 2)]  # 3 rows: padded to the bucket 4
+    futures = [batcher.submit({"features": x}, len(x)) for x in inputs]
+    results = [future.result(timeout=10) for future in futures]
+    batcher.close()
+    padded = np.concatenate([*inputs, np.zeros((1, 13), np.float32)])
+    expected = model.runner.run(features=padded)
+    np.testing.assert_array_equal(results[0]["output_1"], expected["output_1"][:1])
+    np.testing.assert_array_equal(results[1]["output_1"], expected["output_1"][1:3])
+    assert runs_and_rows(metrics) == (1, 3)  # one run of 3 rows (padding not counted)
+
+
+def test_a_full_batch_runs_at_once_and_close_drains_the_queue():
+    model = served(max_batch=2)
+    metrics = Metrics()
+    batcher = Batcher(model, max_delay_s=30, max_queue=8, metrics=metrics)
+    full = batcher.submit({"features": rows(2, 3)}, 2)
+    assert full.result(timeout=10)["output_0"].shape == (2, 4)  # no 30 s wait: the batch was full
+    waiting = batcher.submit({"features": rows(1, 4)}, 1)
+    batcher.close()  # does not wait out the delay, and answers the waiting request
+    assert waiting.result(timeout=1)["output_0"].shape == (1, 4)
+    with pytest.raises(RequestError, match="shutting down"):
+        batcher.submit({"features": rows(1, 5)}, 1)
+
+
+def test_bucket_and_batch_options_are_checked():
+    with pytest.raises(BadInputError, match="--max-batch 9 is outside tabular's batch range 1..4"):
+        served(max_batch=9)
+    with pytest.raises(BadInputError, match="--buckets 2,8: every size must lie in 1..4"):
+        served(buckets="2,8")
+    assert served(buckets="2").buckets == [2, 4]
+    assert served().buckets == []  # auto on a CPU: the rows as they come
