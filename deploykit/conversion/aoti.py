@@ -77,7 +77,7 @@ def skip_reason(loaded: LoadedModel, backend: str) -> str | None:
         return ("AOTInductor packages not compiled: --backend all compiles them for a GPU and torch sees none "
                 "here (--backend aoti compiles them for this CPU)")
     major, minor = torch.cuda.get_device_capability()
-    if f"sm_{major}{minor}" not in torch.cuda.get_arch_list() and f"compute_{major}{minor}" not in torch.cuda.get_arch_list():
+    if not {f"sm_{major}{minor}", f"compute_{major}{minor}"} & set(torch.cuda.get_arch_list()):
         return (f"AOTInductor packages not compiled: torch {torch.__version__} is not built for compute "
                 f"capability {major}.{minor} ({', '.join(torch.cuda.get_arch_list())})")
     return None

@@ -1,8 +1,9 @@
 """What the CLI calls and users import: ``convert()`` runs the pipeline stage by stage.
 
 load -> check inputs -> export -> passes -> [precision] -> [op library] -> [TensorRT engine]
--> [AOTInductor packages] -> validate -> [auto-fix] -> report -> bundle (see DESIGN.md). ``STEPS`` lists the steps in order, each with the
-condition under which it runs; the state they share is :class:`~deploykit.conversion.state.ConversionState`.
+-> [AOTInductor packages] -> validate -> [auto-fix] -> report -> bundle (see DESIGN.md). ``STEPS``
+lists the steps in order, each with the condition under which it runs; the state they share is
+:class:`~deploykit.conversion.state.ConversionState`.
 """
 
 from __future__ import annotations

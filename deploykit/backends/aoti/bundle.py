@@ -30,8 +30,9 @@ def runnable_entry(bundle: Bundle, device: str, device_id: int = 0) -> dict:
             problems.append(problem)
     if not problems:
         compiled = ", ".join(sorted({e["device"] for e in bundle.aoti}))
+        where = "on a GPU machine" if device == "cuda" else "where torch sees no GPU (CUDA_VISIBLE_DEVICES=)"
         raise BadInputError(f"{bundle.path} has AOTInductor packages for {compiled} only, not {device}: use "
-                            f"device='{compiled.split(', ')[0]}', or convert with --backend aoti on a {device} machine")
+                            f"device='{compiled.split(', ')[0]}', or convert with --backend aoti {where}")
     raise EnvironmentProblem(f"cannot run {bundle.path.name}'s AOTInductor packages here: {problems[0]}")
 
 

@@ -52,6 +52,6 @@ def load_package(path: Path, entry: dict, device_id: int = 0, cuda_graph: bool =
     try:
         model = torch._inductor.aoti_load_package(str(path), run_single_threaded=cuda_graph, device_index=index)
     except Exception as error:  # torch raises RuntimeError with the loader's message
-        raise EnvironmentProblem(f"torch {torch.__version__} cannot load {entry['file']}: "
-                                 f"{error_summary(error)[:300]}; convert with --backend aoti on this machine") from error
+        raise EnvironmentProblem(f"torch {torch.__version__} cannot load {entry['file']}: {error_summary(error)[:300]}; "
+                                 "convert with --backend aoti on this machine") from error
     return Package(entry, model, cuda_graph)

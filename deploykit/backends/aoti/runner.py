@@ -90,13 +90,11 @@ class AotiRunner(Runner):
 
     def _tensor(self, feed: Feed):
         """A feed as a torch tensor on the runner's device, without a copy where it is there already."""
+        if not feed.on_device:  # numpy, or a CPU tensor's numpy view
+            return torch_from_host(feed.value).to(self.torch_device)
         if feed.torch_device is not None:
-            tensor = feed.value
-        elif feed.on_device:  # another library's CUDA array: shared through __cuda_array_interface__
-            tensor = self.torch.as_tensor(feed.value, device=self.torch_device)
-        else:
-            tensor = torch_from_host(feed.value)
-        return tensor.to(self.torch_device, non_blocking=False)
+            return feed.value.to(self.torch_device)
+        return self.torch.as_tensor(feed.value, device=self.torch_device)  # another library's CUDA array
 
     def _deliver(self, tensor, kind: str, device: str | None):
         """An output in the form the inputs came in: torch on their device, a device array, or numpy."""
