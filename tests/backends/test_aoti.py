@@ -327,3 +327,12 @@ def test_missing_compiler_is_the_environment(monkeypatch):
     with pytest.raises(EnvironmentProblem, match=r"AOTInductor \(torch .*\) cannot compile here: .*install a C\+\+ "
                                                  "compiler"):
         _stage(model_zoo.tiny_conv().eval(), "dynamic", (3, 8, 8))
+
+
+def test_deploykit_validate_runs_the_packages(bundle):
+    result = run_deploykit("validate", bundle, bundle.parent / "tiny_conv.pt", "--factory", "model_zoo:tiny_conv",
+                           "--backend", "aoti", "--device", "cpu", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["passed"] and report["backend"] == "aoti" and DYNAMIC in " ".join(report["packages"])
+    assert [run["batch"] for run in report["validation"]["runs"]] == [1, 2, 4]
