@@ -153,6 +153,55 @@ def _print_bench(result: dict, folder: Path) -> None:
     console.print(f"Timing: {result['timing']}. Results: {folder / 'bench.json'}, plot: {folder / 'bench.png'}")
 
 
+# --------------------------------------------------------------------------- tune
+
+
+@click.command("tune")
+@click.argument("bundle", type=BUNDLE)
+@_source_options
+@click.option("--batch", "batches", metavar="N,N,...", help="Batch sizes (default: the bundle's validated ones).")
+@_device_option
+@click.option("--warmup", type=click.IntRange(min=0), default=5, show_default=True, help="Untimed calls first.")
+@click.option("--iterations", type=click.IntRange(min=1), default=50, show_default=True, help="Timed calls.")
+@click.option("--max-seconds", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+              help="Stop timing one candidate and batch size after this long.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@trust_bundle_option
+@allow_failed_option("Tune a bundle whose validation failed.")
+@json_option("Print the tuning table on stdout.")
+@verbose_option()
+def tune(bundle, model, factory, trust_pickle, batches, device, warmup, iterations, max_seconds, seed, trust_bundle,
+         allow_failed, as_json, verbose):
+    """Time every backend that runs BUNDLE here, check its outputs, record the fastest per batch size.
+
+    deploykit.load(BUNDLE) then runs that choice on a machine with the same device and GPU
+    (docs/tuning.md). Outputs are checked against the source model when it loads, else against
+    the bundle's own graph on ONNX Runtime's CPU provider; the table in manifest.json says which.
+    """
+    from deploykit import runtime
+    from deploykit.cli._printing import print_tuning_table
+    from deploykit.tools import bench as benchmark
+    from deploykit.tuning.record import write_tuning
+    from deploykit.tuning.tune import TuneSettings, tune_bundle
+
+    with handle_errors(verbose):
+        sizes = benchmark.parse_batches(batches)
+        opened = _open_checked(bundle, allow_failed)
+        sizes = benchmark.batch_plan(opened, sizes or opened.manifest.get("validation", {}).get("batch_sizes"))
+        settings = TuneSettings(device=benchmark.resolve_device(device), warmup=warmup, iterations=iterations,
+                                max_seconds=max_seconds, device_id=runtime.parse_device(device)[1], seed=seed,
+                                trust_native=trust_bundle)
+        with stage_printer(quiet=as_json)("Timing what runs here"):
+            source = benchmark.load_source(opened, model, factory, trust_pickle)
+            table = tune_bundle(opened, source.loaded, settings, sizes, source.reason)
+        write_tuning(opened.path, table)
+    if as_json:
+        echo_json(table)
+        return
+    print_tuning_table(table)
+    console.print(f"Recorded in {opened.path / 'manifest.json'}")
+
+
 # --------------------------------------------------------------------------- profile
 
 _PROFILED = ("onnxruntime", "tensorrt", "pytorch")

@@ -14,7 +14,6 @@ and after it: the latency of one synchronous inference, launch gaps included.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import datetime
@@ -31,9 +30,8 @@ import numpy as np
 from deploykit import runtime
 from deploykit.bundle.trust import UntrustedNativeCode
 from deploykit.errors import BadInputError, DeployKitError, error_summary
+from deploykit.tuning.timing import TIMING, Step, bench_stream, measure, stream_pointer, summarize
 from deploykit.versions import tool_versions
-
-Step = Callable[[], object]
 
 
 @dataclasses.dataclass
@@ -270,11 +268,6 @@ def export_plain_onnx(bundle: runtime.Bundle, loaded) -> Path:
 _TEMPORARY: list[tempfile.TemporaryDirectory] = []  # removed when the process ends
 
 
-def _bench_stream(device: str) -> int | None:
-    """The stream ONNX Runtime must run on to be timed: torch's current one, which is the bench stream."""
-    return runtime.TorchMemory(0).stream() if device == "cuda" else None
-
-
 def _ort(bundle, device, tf32: bool, op_library: bool, trust_native: bool = False, model: Path | None = None):
     if device == "cuda" and not runtime.ort_has_cuda():
         return f"onnxruntime has no {runtime.CUDA_EP} (pip install onnxruntime-gpu)"
@@ -282,7 +275,7 @@ def _ort(bundle, device, tf32: bool, op_library: bool, trust_native: bool = Fals
     def setup():
         # timing, not outputs: any batch the user asks for is measured, validated or not
         runner = runtime.load_onnxruntime(bundle, device, op_library=op_library, model=model,
-                                          stream=_bench_stream(device), tf32=tf32, allow_unvalidated=True,
+                                          stream=stream_pointer(device), tf32=tf32, allow_unvalidated=True,
                                           trust_native=trust_native)
 
         def prepare(feeds: dict) -> Step:
@@ -303,7 +296,7 @@ def _ort_cuda_graph(bundle, device, tf32: bool, trust_native: bool):
 def cuda_graph_step(bundle: runtime.Bundle, tf32: bool, trust_native: bool, feeds: dict) -> Step:
     """A session per batch size with CUDA graphs on: ORT captures the first run and replays it,
     which needs inputs and outputs at fixed device addresses (IOBinding)."""
-    runner = runtime.load_onnxruntime(bundle, "cuda", cuda_graph=True, stream=_bench_stream("cuda"), tf32=tf32,
+    runner = runtime.load_onnxruntime(bundle, "cuda", cuda_graph=True, stream=stream_pointer("cuda"), tf32=tf32,
                                       trust_native=trust_native)
     memory = runtime.TorchMemory(0)
     given = {name: runtime.as_feed(name, memory.to_device(array)) for name, array in feeds.items()}
@@ -347,75 +340,6 @@ def _tensorrt(bundle: runtime.Bundle, device: str, trust_native: bool):
 
 
 # --------------------------------------------------------------------------- measuring
-
-
-TIMING = {"cpu": "host clock around each call",
-          "cuda": "CUDA events on the bench stream before and after each synchronous call"}
-
-
-def call_timer(device: str) -> Callable[[Step], float]:
-    """Seconds one call of a step takes: CUDA events on the current (bench) stream on a GPU, where
-    every contender's work is queued, else the host clock."""
-    if device != "cuda":
-        def host_clock(step: Step) -> float:
-            start = time.perf_counter()
-            step()
-            return time.perf_counter() - start
-
-        return host_clock
-    import torch
-
-    def cuda_events(step: Step) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-
-    return cuda_events
-
-
-@contextlib.contextmanager
-def bench_stream(device: str, tf32: bool):
-    """On a GPU, one non-default stream for every contender (ONNX Runtime's sessions are given it),
-    and PyTorch's TF32 switches set as ONNX Runtime's are, so fp32 means the same on both sides."""
-    if device != "cuda":
-        yield
-        return
-    import torch
-
-    switches = torch.backends.cudnn, torch.backends.cuda.matmul
-    saved = [switch.allow_tf32 for switch in switches]
-    try:
-        for switch in switches:
-            switch.allow_tf32 = tf32
-        with torch.cuda.stream(torch.cuda.Stream()):
-            yield
-    finally:
-        for switch, value in zip(switches, saved):
-            switch.allow_tf32 = value
-
-
-def measure(step: Step, settings: Settings) -> list[float]:
-    """Seconds per call after ``warmup`` calls; at least 5 calls, then stop at ``max_seconds``."""
-    for _ in range(settings.warmup):
-        step()
-    timer, times, deadline = call_timer(settings.device), [], time.perf_counter() + settings.max_seconds
-    for index in range(settings.iterations):
-        times.append(timer(step))
-        if time.perf_counter() > deadline and index >= 4:
-            break
-    return times
-
-
-def summarize(times: list[float], batch: int) -> dict:
-    """Latency percentiles (ms), mean, coefficient of variation and samples per second."""
-    ms = np.asarray(times) * 1e3
-    mean = float(ms.mean())
-    p50, p90, p99 = (float(v) for v in np.percentile(ms, [50, 90, 99]))
-    return {"batch": batch, "iterations": len(times), "p50_ms": p50, "p90_ms": p90, "p99_ms": p99, "mean_ms": mean,
-            "cv": float(ms.std() / mean) if mean else 0.0, "throughput": batch / (mean / 1e3) if mean else 0.0}
 
 
 def add_ratios(entries: list[dict]) -> None:
