@@ -134,9 +134,10 @@ def accepted_batches(bundle: Bundle, backend: str, options: dict) -> tuple[int, 
     return entry["batch"]["min"], entry["batch"]["max"]
 
 
-def choice_problem(bundle: Bundle, backend: str, options: dict, device: str, trust_native: bool) -> str | None:
-    """Why a recorded choice cannot run here (None: it can), by the same rules as the candidates."""
-    for candidate in find_candidates(bundle, device, trust_native):
+def choice_problem(here: list[Candidate], backend: str, options: dict) -> str | None:
+    """Why a recorded choice cannot run here (None: it can), by the same rules as the candidates
+    (``here``: :func:`find_candidates` on this machine)."""
+    for candidate in here:
         if candidate.backend == backend and candidate.options == options:
             return candidate.problem
     if backend == "onnxruntime" and set(options) <= ort_keywords():

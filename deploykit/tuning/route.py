@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 
-from deploykit.backends.base.feeds import as_feed
+from deploykit.backends.base.feeds import collect_feeds
 from deploykit.backends.base.runner import Runner
 from deploykit.bundle.read import Bundle
 from deploykit.tuning import record
-from deploykit.tuning.candidates import accepted_batches, choice_problem, open_runner
+from deploykit.tuning.candidates import accepted_batches, choice_problem, find_candidates, open_runner
 
 
 class Route:
@@ -55,9 +55,7 @@ class TunedRunner(Runner):
         return chosen.runner if chosen is not None else self.fallback
 
     def run(self, feeds=None, /, **named) -> dict:
-        given = {**(feeds or {}), **named}
-        name, value = next(iter(given.items()))
-        shape = as_feed(name, value).shape
+        shape = next(iter(collect_feeds(feeds, named, self.inputs).values())).shape  # checked, not copied
         return self.runner_for(int(shape[0]) if shape else 1).run(feeds, **named)
 
     def describe(self) -> dict:
@@ -89,10 +87,10 @@ def load_tuned(bundle: Bundle, device: str, device_id: int, notes: list[str], *,
                                       **({**ort_options, "op_library": op_library} if backend == "onnxruntime" else {}))
         return opened[key]
 
-    routes = []
+    routes, here = [], find_candidates(bundle, device, trust_native)
     for choice in tuning["choices"]:
         backend, options = choice["backend"], choice["options"]
-        problem = choice_problem(bundle, backend, options, device, trust_native)
+        problem = choice_problem(here, backend, options)
         if problem is None and ort_options and backend != "onnxruntime":
             problem = f"{', '.join(ort_options)} apply to ONNX Runtime only"
         if problem:

@@ -17,7 +17,8 @@ import numpy as np
 from deploykit.backends.base.feeds import random_inputs
 from deploykit.bundle.read import Bundle
 from deploykit.bundle.trust import UntrustedNativeCode
-from deploykit.errors import error_summary
+from deploykit.backends.tensorrt.shim import local_gpus
+from deploykit.errors import EnvironmentProblem, error_summary
 from deploykit.tuning import record
 from deploykit.tuning.candidates import Candidate, find_candidates, open_runner
 from deploykit.tuning.checking import Reference, check, graph_reference, source_reference
@@ -50,6 +51,9 @@ def tune_bundle(bundle: Bundle, loaded, settings: TuneSettings, batches: list[in
 
 def tune(bundle: Bundle, reference: Reference, feed_sets: list[dict], settings: TuneSettings, tick=lambda text: None) -> dict:
     """The tuning table of ``bundle`` on this machine (docs/tuning.md has its fields)."""
+    here = record.machine(settings.device, settings.device_id)
+    if settings.device == "cuda" and here["gpu"] is None:
+        raise EnvironmentProblem(f"cannot tune on cuda:{settings.device_id}: {_no_gpu()}; use --device cpu")
     found = find_candidates(bundle, settings.device, settings.trust_native)
     rows = []
     with bench_stream(settings.device, tf32=False):  # validated fp32 is what is timed
@@ -58,7 +62,7 @@ def tune(bundle: Bundle, reference: Reference, feed_sets: list[dict], settings: 
             rows.append(time_candidate(candidate, bundle, reference, feed_sets, settings))
     sizes = [_batch(feeds) for feeds in feed_sets]
     table = {
-        **record.machine(settings.device, settings.device_id),
+        **here,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": tool_versions(),
         "reference": reference.label,
@@ -139,6 +143,11 @@ def _step(runner, feeds: dict, backend: str, settings: TuneSettings):
     if backend == "onnxruntime":
         return lambda: runner.run(given)
     return lambda: (runner.run(given), torch.cuda.synchronize(settings.device_id))
+
+
+def _no_gpu() -> str:
+    gpus = local_gpus()
+    return gpus if isinstance(gpus, str) else f"this machine has {len(gpus)} GPU(s)"
 
 
 def _batch(feeds: dict) -> int:

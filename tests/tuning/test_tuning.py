@@ -111,6 +111,14 @@ def test_bad_batch_is_a_usage_error(tmp_path, batch):
     assert "tuning" not in json.loads((bundle / "manifest.json").read_text())
 
 
+def test_tuning_on_a_gpu_this_machine_lacks_is_an_environment_problem(tmp_path):
+    if runtime.has_gpu():
+        pytest.skip("this machine has a GPU")
+    bundle = copy_bundle("tabular", tmp_path)
+    result = cli("tune", bundle, "--device", "cuda", *FAST)
+    assert result.returncode == 3 and "cannot tune on cuda:0" in result.stderr and "--device cpu" in result.stderr
+
+
 def test_a_wrong_candidate_fails_its_check_and_is_not_chosen(tmp_path):
     """Checked against a model other than the bundle's: every candidate is timed, none passes."""
     import model_zoo
@@ -140,8 +148,11 @@ def test_load_routes_by_the_table(tuned):
     assert type(plain).__name__ == "OnnxRuntimeRunner"
     for batch in (1, 3, 4):
         expected = plain(features=features(batch))
-        for name, value in runner(features=features(batch)).items():
-            np.testing.assert_allclose(value, expected[name], rtol=1e-6, atol=1e-6)
+        for given in (runner(features=features(batch)), runner(features(batch)), runner({"features": features(batch)})):
+            for name, value in given.items():
+                np.testing.assert_allclose(value, expected[name], rtol=1e-6, atol=1e-6)
+    with pytest.raises(BadInputError, match="no input named wrong"):
+        runner(wrong=features(1))
 
 
 def test_user_onnxruntime_options_still_apply(tuned):
