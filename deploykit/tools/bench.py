@@ -367,35 +367,29 @@ def _tensorrt(bundle: runtime.Bundle, device: str, trust_native: bool):
 
 
 def _aoti(bundle: runtime.Bundle, device: str, trust_native: bool, kind: str):
-    """The bundle's AOTI packages of one kind: static (one per batch size: a batch without its own
-    package is not timed) or dynamic (one over the batch range)."""
-    found = [c for c in find_candidates(bundle, device, trust_native)
-             if c.backend == "aoti" and not c.options["cuda_graph"] and _package_kind(c) == kind]
-    if not bundle.manifest.get("aoti"):
+    """The bundle's AOTI packages of one kind as one runner: static (one per batch size: a batch
+    without its own package is not timed) or dynamic (one over the batch range)."""
+    if not bundle.aoti:
         return "the bundle has no AOTInductor package (convert with --backend aoti)"
+    found = [c for c in find_candidates(bundle, device, trust_native)
+             if c.backend == "aoti" and c.options["packages"] == kind and not c.options["cuda_graph"]]
     if not found:
         return f"the bundle has no {kind} AOTInductor package for {device}"
-    if all(c.problem for c in found):
-        return found[0].problem
-    runnable = [c for c in found if not c.problem]
+    candidate = found[0]
+    if candidate.problem:
+        return candidate.problem
 
     def setup():
-        runners = [(c, open_runner(bundle, "aoti", {"file": c.options["file"]}, device, trust_native=trust_native,
-                                   allow_unvalidated=True)) for c in runnable]
+        runner = open_runner(bundle, "aoti", {"packages": kind}, device, trust_native=trust_native,
+                             allow_unvalidated=True)  # each package's own CUDA graph setting
 
         def prepare(feeds: dict) -> Step | None:
             batch = next(iter(feeds.values())).shape[0]
-            runner = next((r for c, r in runners if c.accepts(batch)), None)
-            return None if runner is None else _synchronized_step(runner, feeds, device)
+            return _synchronized_step(runner, feeds, device) if candidate.accepts(batch) else None
 
         return prepare
 
     return setup
-
-
-def _package_kind(candidate) -> str:
-    low, high = candidate.batch
-    return "static" if low == high else "dynamic"
 
 
 def _default_load(bundle: runtime.Bundle, device: str, trust_native: bool):

@@ -2,7 +2,7 @@
 
 ONNX Runtime on the CPU; on a GPU, ONNX Runtime's CUDA provider with CUDA graphs on and off (and
 NHWC kernels on and off when the graph has convolutions), each TensorRT engine this GPU runs and
-each AOTInductor package built for this torch and device. What cannot run here stays in the list
+the AOTInductor packages built for this torch and device (static ones, the dynamic one). What cannot run here stays in the list
 with the reason, so the tuning table says why it was not timed. ``open_runner`` is also what the
 tuned runner of ``deploykit.load`` uses, so what was timed is what runs.
 """
@@ -10,11 +10,13 @@ tuned runner of ``deploykit.load`` uses, so what was timed is what runs.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 
 import onnx
 
+from deploykit.backends.aoti.bundle import load_aoti, runnable_entry
+from deploykit.backends.aoti.compat import package_problem_here
+from deploykit.backends.aoti.loader import is_static
 from deploykit.backends.base.runner import Runner
 from deploykit.backends.onnxruntime.bundle import load_onnxruntime
 from deploykit.backends.onnxruntime.loader import CUDA_EP
@@ -29,16 +31,22 @@ BACKENDS = ("onnxruntime", "tensorrt", "aoti")
 @dataclasses.dataclass
 class Candidate:
     """One way to run the bundle here; ``problem`` says why it cannot (then it is not timed).
-    ``batch`` is the range it accepts when narrower than the bundle's (a static AOTI package)."""
+    ``batch`` holds the ranges it accepts when narrower than the bundle's (AOTI packages: a static
+    one takes only its own batch size)."""
 
     backend: str
     options: dict
     label: str
     problem: str | None = None
-    batch: tuple[int, int] | None = None
+    batch: list[tuple[int, int]] | None = None
 
     def accepts(self, batch: int) -> bool:
-        return self.batch is None or self.batch[0] <= batch <= self.batch[1]
+        return takes(self.batch, batch)
+
+
+def takes(ranges: list[tuple[int, int]] | None, batch: int) -> bool:
+    """Whether ``batch`` lies in one of ``ranges`` (None: any batch of the bundle)."""
+    return ranges is None or any(low <= batch <= high for low, high in ranges)
 
 
 def ort_keywords() -> set[str]:
@@ -53,13 +61,11 @@ def has_conv(bundle: Bundle) -> bool:
     return any(node.op_type in ("Conv", "ConvTranspose") for node in nodes)
 
 
-def find_candidates(bundle: Bundle, device: str, trust_native: bool = False) -> list[Candidate]:
+def find_candidates(bundle: Bundle, device: str, trust_native: bool = False, device_id: int = 0) -> list[Candidate]:
     """Every candidate for ``device`` ("cpu" or "cuda"), in a fixed order, skipped ones with their reason."""
     found = _onnxruntime(bundle, device)
     found += [_engine(bundle, entry, device, trust_native) for entry in bundle.engines]
-    found += [candidate for entry in bundle.manifest.get("aoti", [])
-              for candidate in _aoti(bundle, entry, device, trust_native)]
-    return found
+    return found + _aoti(bundle, device, device_id, trust_native)
 
 
 def _onnxruntime(bundle: Bundle, device: str) -> list[Candidate]:
@@ -98,40 +104,35 @@ def _engine(bundle: Bundle, entry: dict, device: str, trust_native: bool) -> Can
     return Candidate("tensorrt", {"file": entry["file"]}, f"TensorRT {entry['file']}", problem)
 
 
-@functools.cache
-def aoti_compat():
-    """deploykit.backends.aoti.compat, or None where this deploykit has no AOTI backend."""
-    try:
-        from deploykit.backends.aoti import compat
-    except ImportError:
-        return None
-    return compat
+def _aoti(bundle: Bundle, device: str, device_id: int, trust_native: bool) -> list[Candidate]:
+    """One candidate per package kind of this device: the static packages (one per batch size,
+    each taking only its own) and the dynamic one, with and without CUDA graphs where allowed."""
+    found = []
+    for kind in ("static", "dynamic"):
+        kept = [e for e in bundle.aoti if e["device"] == device and is_static(e) == (kind == "static")]
+        if not kept:
+            continue
+        problems = [package_problem_here(e, device_id) for e in kept]
+        runnable = [e for e, problem in zip(kept, problems) if problem is None]
+        problem = None if runnable else problems[0]
+        if any(_foreign(bundle, e) for e in runnable) and not trust_native:
+            problem = "native code this machine's deploykit did not build (--trust-bundle runs it)"
+        ranges = [(e["batch"]["min"], e["batch"]["max"]) for e in runnable or kept]
+        graphs = (False, True) if device == "cuda" and any(e.get("cuda_graph") for e in runnable) else (False,)
+        files = ", ".join(e["file"] for e in kept)
+        found += [Candidate("aoti", {"packages": kind, "cuda_graph": graph},
+                            f"AOTInductor {kind} ({files}){', CUDA graph' if graph else ''}", problem, ranges)
+                  for graph in graphs]
+    return found
 
 
-def _aoti(bundle: Bundle, entry: dict, device: str, trust_native: bool) -> list[Candidate]:
-    label = f"AOTInductor {entry['file']}"
-    accepted = (entry["batch"]["min"], entry["batch"]["max"])
-    compat = aoti_compat()
-    if compat is None:
-        problem = "this deploykit has no AOTInductor backend"
-    elif entry["device"] != device:
-        problem = f"a {entry['device']} package (timing on {device})"
-    else:
-        problem = compat.package_problem_here(entry)
-    digest = bundle.manifest.get("files", {}).get(entry["file"], {}).get("sha256", "")
-    if problem is None and not trust_native and trust.provenance(digest) == trust.FOREIGN:
-        problem = "native code this machine's deploykit did not build (--trust-bundle runs it)"
-    graphs = (False, True) if entry.get("cuda_graph") and device == "cuda" else (False,)
-    return [Candidate("aoti", {"file": entry["file"], "cuda_graph": graph},
-                      label + (", CUDA graph" if graph else ""), problem, accepted) for graph in graphs]
+def _foreign(bundle: Bundle, entry: dict) -> bool:
+    return trust.provenance(bundle.manifest["files"][entry["file"]]["sha256"]) == trust.FOREIGN
 
 
-def accepted_batches(bundle: Bundle, backend: str, options: dict) -> tuple[int, int] | None:
-    """The batch sizes a choice takes when narrower than the bundle's: an AOTI package's range."""
-    if backend != "aoti":
-        return None
-    entry = next(e for e in bundle.manifest.get("aoti", []) if e["file"] == options["file"])
-    return entry["batch"]["min"], entry["batch"]["max"]
+def accepted_batches(here: list[Candidate], backend: str, options: dict) -> list[tuple[int, int]] | None:
+    """The batch ranges a choice takes when narrower than the bundle's (AOTI packages'), from ``here``."""
+    return next((c.batch for c in here if c.backend == backend and c.options == options), None)
 
 
 def choice_problem(here: list[Candidate], backend: str, options: dict) -> str | None:
@@ -156,8 +157,6 @@ def open_runner(bundle: Bundle, backend: str, options: dict, device: str, device
     if backend == "tensorrt":
         entry = next(e for e in bundle.engines if e["file"] == options["file"])
         return load_tensorrt_engine(bundle, entry, device_id, verify=verify, notes=notes, trust_native=trust_native)
-    from deploykit.backends.aoti.bundle import load_aoti
-
-    entry = next(e for e in bundle.manifest.get("aoti", []) if e["file"] == options["file"])
-    return load_aoti(bundle, entry, device_id, verify=verify, trust_native=trust_native,
-                     cuda_graph=options.get("cuda_graph"), notes=notes, allow_unvalidated=allow_unvalidated)
+    return load_aoti(bundle, runnable_entry(bundle, device, device_id), device_id, verify=verify,
+                     trust_native=trust_native, cuda_graph=options.get("cuda_graph"), notes=notes,
+                     allow_unvalidated=allow_unvalidated, packages=options["packages"])

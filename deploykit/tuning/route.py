@@ -16,17 +16,17 @@ from deploykit.backends.base.feeds import collect_feeds
 from deploykit.backends.base.runner import Runner
 from deploykit.bundle.read import Bundle
 from deploykit.tuning import record
-from deploykit.tuning.candidates import accepted_batches, choice_problem, find_candidates, open_runner
+from deploykit.tuning.candidates import accepted_batches, choice_problem, find_candidates, open_runner, takes
 
 
 class Route:
     """A tuned batch size, the runner of its choice, and the sizes that runner takes (None: the bundle's)."""
 
-    def __init__(self, batch: int, runner: Runner, accepts: tuple[int, int] | None, label: str):
+    def __init__(self, batch: int, runner: Runner, accepts: list[tuple[int, int]] | None, label: str):
         self.batch, self.runner, self.accepts, self.label = batch, runner, accepts, label
 
     def takes(self, batch: int) -> bool:
-        return self.accepts is None or self.accepts[0] <= batch <= self.accepts[1]
+        return takes(self.accepts, batch)
 
 
 class TunedRunner(Runner):
@@ -87,7 +87,7 @@ def load_tuned(bundle: Bundle, device: str, device_id: int, notes: list[str], *,
                                       **({**ort_options, "op_library": op_library} if backend == "onnxruntime" else {}))
         return opened[key]
 
-    routes, here = [], find_candidates(bundle, device, trust_native)
+    routes, here = [], find_candidates(bundle, device, trust_native, device_id)
     for choice in tuning["choices"]:
         backend, options = choice["backend"], choice["options"]
         problem = choice_problem(here, backend, options)
@@ -98,7 +98,7 @@ def load_tuned(bundle: Bundle, device: str, device_id: int, notes: list[str], *,
                          "ONNX Runtime instead")
             backend, options = "onnxruntime", {}
         label = f"{backend} {json.dumps(options, sort_keys=True)}" if options else backend
-        routes.append(Route(choice["batch"], runner(backend, options), accepted_batches(bundle, backend, options),
+        routes.append(Route(choice["batch"], runner(backend, options), accepted_batches(here, backend, options),
                             label))
     fallback = runner("onnxruntime", {}) if any(route.accepts for route in routes) else None
     notes.append("tuned: " + ", ".join(f"batch {route.batch} -> {route.label}" for route in routes))

@@ -54,7 +54,7 @@ def tune(bundle: Bundle, reference: Reference, feed_sets: list[dict], settings: 
     here = record.machine(settings.device, settings.device_id)
     if settings.device == "cuda" and here["gpu"] is None:
         raise EnvironmentProblem(f"cannot tune on cuda:{settings.device_id}: {_no_gpu()}; use --device cpu")
-    found = find_candidates(bundle, settings.device, settings.trust_native)
+    found = find_candidates(bundle, settings.device, settings.trust_native, settings.device_id)
     rows = []
     with bench_stream(settings.device, tf32=False):  # validated fp32 is what is timed
         for candidate in found:
@@ -115,7 +115,8 @@ def _check_and_time(result: dict, candidate: Candidate, runner, reference: Refer
                     settings: TuneSettings) -> None:
     batch = _batch(feeds)
     if not candidate.accepts(batch):
-        result["reason"] = f"it takes batch sizes {candidate.batch[0]}..{candidate.batch[1]}"
+        result["reason"] = "it takes batch sizes " + ", ".join(
+            str(low) if low == high else f"{low}..{high}" for low, high in candidate.batch)
         return
     checked = check(reference, runner, candidate.label, feeds)
     result.update(passed=checked["passed"], max_abs=checked["max_abs"], reason="; ".join(checked["failures"]))

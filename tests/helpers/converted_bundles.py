@@ -48,6 +48,21 @@ def converted(name: str) -> Path:
     return _WORK / name
 
 
+@functools.cache
+def converted_aoti(batch: str | None = "1:2:4", *options: str) -> Path:
+    """A bundle of model_zoo's tiny_conv (x: 3x8x8 images; ``batch``: MIN:OPT:MAX, or None for batch 1) with
+    AOTInductor packages (``convert --backend aoti OPTIONS``): compiling C++ is slow, so each is made once."""
+    folder = Path(tempfile.mkdtemp(prefix="tiny_conv-aoti-", dir=_WORK))
+    torch.manual_seed(0)
+    weights = folder / "tiny_conv.pt"
+    torch.save(randomize_batch_norm(model_zoo.tiny_conv(), seed=1).state_dict(), weights)
+    dynamic = ["--batch", batch] if batch else []
+    result = run_deploykit("convert", weights, "--factory", "model_zoo:tiny_conv", "--input", "x:1x3x8x8", *dynamic,
+                           "--backend", "aoti", *options, "-o", folder / "bundle")
+    assert result.returncode == 0, result.stderr
+    return folder / "bundle"
+
+
 def copy_bundle(name: str, destination: Path) -> Path:
     """A copy of ``converted(name)`` that a test may change."""
     return Path(shutil.copytree(converted(name), destination / name))

@@ -193,14 +193,14 @@ def test_routing_exact_then_nearest_above_then_below(tuned):
     bundle = runtime.open_bundle(tuned)
     small, large, anywhere = (runtime.load_onnxruntime(bundle) for _ in range(3))
     narrow = runtime.load_onnxruntime(bundle)  # stands in for a static package: it takes batch 4 only
-    routes = [Route(1, small, None, "small"), Route(2, large, None, "large"), Route(4, narrow, (4, 4), "static")]
+    routes = [Route(1, small, None, "small"), Route(2, large, None, "large"), Route(4, narrow, [(4, 4)], "static")]
     runner = TunedRunner(bundle, "cpu", routes, anywhere, [])
     assert runner.runner_for(1) is small and runner.runner_for(2) is large and runner.runner_for(4) is narrow
     assert runner.runner_for(3) is large  # no route above takes 3: the nearest below
     routes = [Route(2, small, None, "a"), Route(8, large, None, "b")]
     runner = TunedRunner(bundle, "cpu", routes, None, [])
     assert runner.runner_for(1) is small and runner.runner_for(3) is large and runner.runner_for(9) is large
-    routes = [Route(4, narrow, (4, 4), "static")]
+    routes = [Route(4, narrow, [(4, 4)], "static")]
     assert TunedRunner(bundle, "cpu", routes, anywhere, []).runner_for(3) is anywhere
 
 
@@ -265,3 +265,79 @@ def test_bench_times_reduce_overhead_and_the_default_runner(tmp_path, tuned):
     for key in ("ort-deploykit", "deploykit-load"):
         [row] = entries[key]["results"]
         assert row["vs_reduce_overhead"] == pytest.approx(row["p50_ms"] / baseline["p50_ms"])
+
+
+# --------------------------------------------------------------------------- AOTInductor packages
+
+
+@pytest.fixture(scope="module")
+def aoti_bundle(tmp_path_factory) -> Path:
+    """tiny_conv with static and dynamic CPU AOTI packages (batch 1:2:4), tuned through the CLI."""
+    import shutil
+
+    from converted_bundles import converted_aoti
+
+    bundle = Path(shutil.copytree(converted_aoti(), tmp_path_factory.mktemp("aoti") / "bundle"))
+    result = cli("tune", bundle, "--factory", "model_zoo:tiny_conv", "--device", "cpu", "--batch", "1,2,3", *FAST)
+    assert result.returncode == 0, result.stderr
+    return bundle
+
+
+def test_tune_times_the_aoti_packages(aoti_bundle):
+    table = runtime.open_bundle(aoti_bundle).manifest["tuning"]
+    assert [c["batch"] for c in table["choices"]] == [1, 2, 3]
+    by_batch = {c["batch"]: {k["label"].split(" (")[0]: k for k in c["candidates"]} for c in table["choices"]}
+    for batch in (1, 2, 3):
+        dynamic = by_batch[batch]["AOTInductor dynamic"]
+        assert dynamic["passed"] and dynamic["p50_ms"] > 0 and dynamic["options"] == {"packages": "dynamic",
+                                                                                         "cuda_graph": False}
+    assert by_batch[2]["AOTInductor static"]["passed"] and by_batch[2]["AOTInductor static"]["p50_ms"] > 0
+    static_at_3 = by_batch[3]["AOTInductor static"]  # compiled for 1, 2 and 4 only
+    assert static_at_3["p50_ms"] is None and static_at_3["reason"] == "it takes batch sizes 1, 2, 4"
+
+
+def test_load_routes_to_aoti_choices_and_matches_onnxruntime(aoti_bundle, tmp_path):
+    import shutil
+
+    bundle = Path(shutil.copytree(aoti_bundle, tmp_path / "bundle"))
+
+    def prefer_static(manifest):  # whatever was fastest here, route batch 2 to the static packages
+        manifest["tuning"]["choices"][1].update(backend="aoti", options={"packages": "static", "cuda_graph": False})
+
+    edit_manifest(bundle, prefer_static)
+    runner = deploykit.load(bundle)
+    assert isinstance(runner, TunedRunner) and runner.runner_for(2).backend == "aoti"
+    plain = deploykit.load(bundle, backend="onnxruntime")
+    for batch in (1, 2, 3, 4):
+        x = np.random.default_rng(batch).standard_normal((batch, 3, 8, 8), dtype=np.float32)
+        expected = plain(x=x)
+        for name, value in runner(x=x).items():
+            np.testing.assert_allclose(value, expected[name], rtol=1e-4, atol=1e-5)
+
+
+def test_an_aoti_choice_for_another_torch_gives_way_to_onnxruntime(aoti_bundle, tmp_path):
+    import shutil
+
+    bundle = Path(shutil.copytree(aoti_bundle, tmp_path / "bundle"))
+
+    def older_torch(manifest):
+        for entry in manifest["aoti"]:
+            entry["torch"] = "2.0.0"
+        manifest["tuning"]["choices"][0].update(backend="aoti", options={"packages": "dynamic", "cuda_graph": False})
+
+    edit_manifest(bundle, older_torch)
+    runner = deploykit.load(bundle)
+    assert runner.runner_for(1).backend == "onnxruntime"
+    assert any(note.startswith("batch 1: the tuned aoti does not run here") and "2.0.0" in note
+               for note in runner.notes)
+
+
+def test_bench_times_the_aoti_packages_by_kind(aoti_bundle, tmp_path):
+    result = cli("bench", aoti_bundle, "--factory", "model_zoo:tiny_conv", "--device", "cpu", "--batch", "2,3",
+                 "--only", "aoti-static,aoti-dynamic,deploykit-load", "--json", "-o", tmp_path, *FAST)
+    assert result.returncode == 0, result.stderr
+    entries = {e["key"]: e for e in json.loads(result.stdout)["contenders"]}
+    assert all(entries[key]["status"] == "ok" for key in ("aoti-static", "aoti-dynamic", "deploykit-load")), entries
+    assert [r["batch"] for r in entries["aoti-static"]["results"]] == [2]
+    assert entries["aoti-static"]["not_timed"] == [3]
+    assert [r["batch"] for r in entries["aoti-dynamic"]["results"]] == [2, 3]
