@@ -100,3 +100,58 @@ def test_bench_times_every_gpu_contender_with_cuda_events(bundles, tmp_path):
         rows = entries[key]["results"]
         assert [r["batch"] for r in rows] == [1, 8]
         assert all(0 < r["p50_ms"] <= r["p99_ms"] < 1e3 for r in rows), (key, rows)
+
+
+# --------------------------------------------------------------------------- the CUDA fast path
+
+
+def test_cuda_runner_replays_a_graph_per_batch_size_and_matches_the_cpu(bundles):
+    cpu = deploykit.load(bundles / "fp32", device="cpu")
+    runner = deploykit.load(bundles / "fp32", device="cuda")
+    assert runner.describe()["cuda_graph"] is True
+    for batch in (1, 8, 3, 1, 8):  # each size captured once, then replayed, in any order
+        features = random_inputs(runner.inputs, batch, seed=batch)["features"]
+        got = runner(features=torch.from_numpy(features).cuda())
+        for name, expected in cpu(features=features).items():
+            assert got[name].is_cuda
+            np.testing.assert_allclose(got[name].cpu().numpy(), expected, rtol=1e-4, atol=1e-5)
+    assert len(runner.cuda_runs.plans) == 3
+
+
+def test_outputs_handed_out_are_not_overwritten_by_the_next_replay(bundles):
+    runner = deploykit.load(bundles / "fp32", device="cuda")
+    first_in, second_in = (torch.from_numpy(random_inputs(runner.inputs, 4, seed=s)["features"]).cuda()
+                           for s in (1, 2))
+    first = {name: tensor.clone() for name, tensor in runner(features=first_in).items()}
+    kept = runner(features=first_in)
+    runner(features=second_in)
+    for name, tensor in kept.items():
+        torch.testing.assert_close(tensor, first[name])
+
+
+def test_the_caller_stream_is_ordered_without_a_device_synchronize(bundles):
+    """Inputs computed on a side stream right before the call, outputs read on it right after."""
+    runner = deploykit.load(bundles / "fp32", device="cuda")
+    cpu = deploykit.load(bundles / "fp32", device="cpu")
+    features = random_inputs(runner.inputs, 8, seed=5)["features"]
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # the input is written long after the call is queued
+        given = torch.from_numpy(features).cuda(non_blocking=True) * 1.0
+        got = {name: tensor * 1.0 for name, tensor in runner(features=given).items()}
+    side.synchronize()
+    for name, expected in cpu(features=features).items():
+        np.testing.assert_allclose(got[name].cpu().numpy(), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [{"cuda_graph": False}, {"prefer_nhwc": True}])
+def test_cuda_runner_options_give_the_same_outputs(bundles, options):
+    cpu = deploykit.load(bundles / "fp16", device="cpu")
+    runner = deploykit.load(bundles / "fp16", device="cuda", **options)
+    assert runner.describe()["cuda_graph"] is (options.get("cuda_graph") is not False)
+    feeds = random_inputs(runner.inputs, 5, seed=7)
+    numpy_out = runner(feeds)  # numpy in, numpy out, through the same plans
+    for name, expected in cpu(feeds).items():
+        assert isinstance(numpy_out[name], np.ndarray)
+        np.testing.assert_allclose(numpy_out[name].astype(np.float32), expected.astype(np.float32),
+                                   rtol=2e-2, atol=2e-2)

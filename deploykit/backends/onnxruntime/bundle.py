@@ -8,17 +8,23 @@ from pathlib import Path
 
 from deploykit.bundle import trust
 from deploykit.bundle.read import Bundle
+from deploykit.errors import BadInputError, DeployKitError
 from deploykit.backends.onnxruntime import loader
+from deploykit.backends.onnxruntime.cuda_runs import CudaRuns
 from deploykit.backends.onnxruntime.runner import OnnxRuntimeRunner
 
 
 def load_onnxruntime(bundle: Bundle, device: str = "cpu", device_id: int = 0, *, op_library: bool = True,
                      verify: bool = True, model: Path | None = None, threads: int | None = None,
-                     cuda_graph: bool = False, stream: int | None = None, tf32: bool = False,
-                     profile_prefix: str | None = None, notes: list[str] | None = None,
+                     cuda_graph: bool | None = None, prefer_nhwc: bool = False, stream: int | None = None,
+                     tf32: bool = False, profile_prefix: str | None = None, notes: list[str] | None = None,
                      allow_unvalidated: bool = False, trust_native: bool = False) -> OnnxRuntimeRunner:
     """The bundle's graph on the CPU or the CUDA provider, with deploykit's op library registered.
 
+    On the GPU (with torch there) the runner keeps a binding per input shape and runs on a stream
+    of its own, ordered with the caller's current stream by events (``stream`` gives it the
+    caller's stream instead); ``cuda_graph`` captures a CUDA graph per shape (None: wherever the
+    graph can be captured, the default), ``prefer_nhwc`` asks for channels-last convolutions.
     ``op_library=False`` runs the graph's ONNX function fallbacks instead of our kernels;
     ``model`` swaps in another graph with the same signature (bench's plain export);
     ``allow_unvalidated`` runs batches outside the validated range (the runner notes them); the
@@ -35,14 +41,53 @@ def load_onnxruntime(bundle: Bundle, device: str = "cpu", device_id: int = 0, *,
     if op_library is False and bundle.op_library:
         notes.append("op library not loaded: deploykit ops run as their ONNX functions")
     model_path = Path(model) if model else bundle.file(bundle.manifest.get("model", "model.onnx"), verify)
-    chosen = loader.providers(device, device_id, tf32=tf32, cuda_graph=cuda_graph, stream=stream)
-    session = loader.create_session(model_path, options, chosen)
+    settings = {"tf32": tf32, "prefer_nhwc": prefer_nhwc}
+    if device == "cuda":
+        session, runs = _cuda_session(model_path, options, device_id, cuda_graph, stream, bundle.outputs, notes,
+                                      settings)
+    else:
+        session, runs = loader.create_session(model_path, options, loader.providers(device, device_id)), None
     runner = OnnxRuntimeRunner(session, device, device_id, inputs=bundle.inputs, outputs=bundle.outputs,
                                model_path=model_path, library=library, notes=notes, bundle=bundle,
-                               allow_unvalidated=allow_unvalidated)
+                               allow_unvalidated=allow_unvalidated, cuda_runs=runs)
     import onnxruntime as ort
 
     recorded = bundle.recorded_version("onnxruntime-gpu", "onnxruntime")
     if recorded and recorded != ort.__version__:
         runner.warn(f"validated with onnxruntime {recorded}, running {ort.__version__}: outputs may differ slightly")
     return runner
+
+
+def _cuda_session(model_path: Path, options, device_id: int, cuda_graph: bool | None, stream: int | None,
+                  outputs: list[dict], notes: list[str], settings: dict):
+    """The session on the CUDA provider and its per-shape plans (None without torch: then ONNX
+    Runtime synchronises each run). A graph that cannot be captured (nodes left on the CPU
+    provider) runs without CUDA graphs, with a note, unless ``cuda_graph=True`` asked for them."""
+    torch = _torch_with_cuda()
+    if torch is None:
+        if cuda_graph:
+            raise BadInputError("cuda_graph=True needs torch with CUDA in this process (its streams and memory): "
+                                "install a CUDA build of torch, or leave cuda_graph unset")
+        return loader.create_session(model_path, options, loader.providers("cuda", device_id, stream=stream,
+                                                                           **settings)), None
+    own = torch.cuda.ExternalStream(stream) if stream is not None else torch.cuda.Stream(device_id)
+    graphs = cuda_graph is not False
+    try:
+        session = loader.create_session(model_path, options, loader.providers(
+            "cuda", device_id, cuda_graph=graphs, stream=own.cuda_stream, **settings))
+    except DeployKitError as error:
+        if not graphs or cuda_graph:
+            raise
+        notes.append(f"CUDA graphs off (ONNX Runtime cannot capture this graph): {str(error)[:200]}")
+        graphs = False
+        session = loader.create_session(model_path, options, loader.providers(
+            "cuda", device_id, stream=own.cuda_stream, **settings))
+    return session, CudaRuns(session, outputs, device_id, own, graphs)
+
+
+def _torch_with_cuda():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None

@@ -77,8 +77,11 @@ def register_op_library(options, path: Path) -> None:
 
 
 def providers(device: str = "cpu", device_id: int = 0, *, tf32: bool = False, cuda_graph: bool = False,
-              stream: int | None = None) -> list:
-    """The CPU provider, behind the CUDA provider (with its options) when ``device`` is cuda."""
+              stream: int | None = None, prefer_nhwc: bool = False) -> list:
+    """The CPU provider, behind the CUDA provider (with its options) when ``device`` is cuda.
+
+    ``prefer_nhwc`` lets the CUDA provider run convolutions channels-last (faster for fp16 CNNs
+    on tensor cores, sometimes slower in fp32: tune measures it)."""
     chosen: list = ["CPUExecutionProvider"]
     if device != "cuda":
         return chosen
@@ -88,6 +91,8 @@ def providers(device: str = "cpu", device_id: int = 0, *, tf32: bool = False, cu
     cuda_options = {"device_id": str(device_id), "use_tf32": "1" if tf32 else "0"}
     if cuda_graph:
         cuda_options["enable_cuda_graph"] = "1"
+    if prefer_nhwc:
+        cuda_options["prefer_nhwc"] = "1"
     if stream is not None:  # run on the caller's stream (a cudaStream_t as an integer)
         cuda_options["user_compute_stream"] = str(stream)
     if hasattr(ort, "preload_dlls"):  # cuDNN/cuBLAS from the NVIDIA wheels

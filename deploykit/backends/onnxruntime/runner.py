@@ -15,6 +15,7 @@ from deploykit.backends.base.feeds import (
 )
 from deploykit.backends.base.memory import TorchMemory
 from deploykit.backends.base.runner import Runner
+from deploykit.backends.onnxruntime.cuda_runs import CudaRuns
 
 
 class OnnxRuntimeRunner(Runner):
@@ -29,13 +30,15 @@ class OnnxRuntimeRunner(Runner):
 
     def __init__(self, session, device: str = "cpu", device_id: int = 0, *, inputs: list[dict] | None = None,
                  outputs: list[dict] | None = None, model_path: Path | None = None, library: Path | None = None,
-                 notes: list[str] | None = None, bundle=None, allow_unvalidated: bool = False):
+                 notes: list[str] | None = None, bundle=None, allow_unvalidated: bool = False,
+                 cuda_runs: CudaRuns | None = None):
         super().__init__(device, inputs or session_specs(session.get_inputs()),
                          outputs or session_specs(session.get_outputs()), notes=notes, bundle=bundle)
         self.session, self.device_id = session, device_id
         self.provider = session.get_providers()[0]
         self.model_path, self.library = model_path, library
         self.allow_unvalidated = allow_unvalidated
+        self.cuda_runs = cuda_runs  # the per-shape fast path on the CUDA provider (torch present)
 
     @classmethod
     def from_model(cls, model, op_library: Path | None = None) -> OnnxRuntimeRunner:
@@ -46,7 +49,8 @@ class OnnxRuntimeRunner(Runner):
     def describe(self) -> dict:
         return {**super().describe(), "provider": self.provider,
                 "model": self.model_path.name if self.model_path else None,
-                "op_library": self.library.name if self.library else None}
+                "op_library": self.library.name if self.library else None,
+                "cuda_graph": bool(self.cuda_runs and self.cuda_runs.graphs)}
 
     def run(self, feeds=None, /, **named) -> dict:
         given = collect_feeds(feeds, named, self.inputs)
@@ -54,10 +58,16 @@ class OnnxRuntimeRunner(Runner):
             if note not in self.notes:
                 self.notes.append(note)
         kind, device = output_kind(given)
+        if self.cuda_runs is not None:
+            shapes = self.output_shapes(given)
+            if None not in shapes:
+                outputs = self.cuda_runs.run(given, shapes)
+                deliver = self.cuda_runs.memory.deliver
+                return {name: deliver(tensor, kind, device) for name, tensor in zip(self.output_names, outputs)}
         if self.device == "cuda" and any(feed.on_device for feed in given.values()):
             return self._run_bound(given, kind, device)
         host = {name: feed.host() for name, feed in given.items()}
-        values = self.session.run(None, host)
+        values = self.session.run(None, host, self._uncaptured())
         return {name: deliver_host(value, kind, device) for name, value in zip(self.output_names, values)}
 
     def _run_bound(self, given: dict[str, Feed], kind: str, device: str | None) -> dict:
@@ -82,11 +92,15 @@ class OnnxRuntimeRunner(Runner):
                 binding.bind_output(name, "cuda", self.device_id)
         if kind == "torch":
             TorchMemory(self.device_id).synchronize()  # inputs may still be computed on torch's stream
-        self.session.run_with_iobinding(binding)
+        self.session.run_with_iobinding(binding, self._uncaptured())
         for name, value in zip(self.output_names, binding.get_outputs()):
             if name not in results:
                 results[name] = self._deliver_ort_value(value, kind, device)
         return {name: results[name] for name in self.output_names}
+
+    def _uncaptured(self):
+        """Run options for a call outside the per-shape plans: never captured as a CUDA graph."""
+        return self.cuda_runs.uncaptured if self.cuda_runs is not None else None
 
     def output_shapes(self, given: dict[str, Feed]) -> list[tuple[int, ...] | None]:
         """Output shapes from the session's symbolic dims bound to the inputs' sizes (None: unknown)."""
