@@ -3,7 +3,7 @@
 For whoever receives a bundle: the inputs and outputs to feed and expect (with the dynamic
 batch range), the precision, our ops and the library they need, the engines and what they were
 built for, the AOTInductor packages and what they need (torch, GPU or CPU), the passes, the
-validation it passed at conversion, and every file against its sha256, and the native files it carries with where they came from as far as this machine can
+validation it passed at conversion, the tuning table (what ``load`` runs where), and every file against its sha256, and the native files it carries with where they came from as far as this machine can
 tell (whether ``--trust-bundle`` is needed). Nothing is loaded or run, so it works on any machine.
 """
 
@@ -40,6 +40,7 @@ def describe_bundle(path: Path) -> dict:
         "passes": {p["name"]: {k: v for k, v in p["changes"].items() if v} for p in manifest.get("passes", [])},
         "validation": manifest.get("validation", {}),
         "versions": manifest.get("versions", {}),
+        "tuning": manifest.get("tuning"),
         "files": {name: {"bytes": entry.get("bytes"), "status": problems.get(name, "ok")}
                   for name, entry in manifest.get("files", {}).items()},
         "files_ok": not problems,

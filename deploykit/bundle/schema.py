@@ -114,6 +114,31 @@ class Validation(Part):
     max_abs: dict[str, float | None] = {}
 
 
+class TunedChoice(Part):
+    """The fastest candidate that passed at one batch size, and every candidate timed there."""
+
+    batch: Size
+    backend: Literal["onnxruntime", "tensorrt", "aoti"]
+    options: dict = {}
+    p50_ms: float
+    candidates: list[dict] = []
+
+
+class Tuning(Part):
+    """Written by ``deploykit tune`` / ``convert --tune``: what ``load(backend="auto")`` runs on a
+    machine with this device, GPU and compute capability (docs/tuning.md)."""
+
+    device: Literal["cpu", "cuda"]
+    gpu: str | None
+    cuda_arch: str | None
+    created: str
+    versions: dict[str, str]
+    reference: str = ""
+    notes: list[str] = []
+    choices: list[TunedChoice]
+    unchosen: list[dict] = []  # batch sizes where no candidate passed, with their candidates
+
+
 class FileEntry(Part):
     sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
     bytes: Count
@@ -144,6 +169,7 @@ class Manifest(Header):
     custom_op_libraries: list[OpLibrary] = []
     versions: dict[str, str] = {}
     validation: Validation = Validation(passed=False)
+    tuning: Tuning | None = None
     files: dict[FileName, FileEntry]
 
 

@@ -1,7 +1,7 @@
 """The ``deploykit`` command line: parse, call the API, print. No conversion logic here.
 
 One module per command group: ``convert``, ``runtime`` (run, validate), ``inspect``, ``doctor``,
-``timing`` (bench, profile), ``debug``, ``native`` (build-plugins) and ``serve`` (serve,
+``timing`` (bench, tune, profile), ``debug``, ``native`` (build-plugins) and ``serve`` (serve,
 export triton); ``_common`` holds what they
 share (console, error handling and exit codes, options) and ``_printing`` the output several print.
 Heavy modules are imported inside the commands so that ``deploykit --help`` stays fast.
@@ -21,5 +21,5 @@ def main() -> None:
 
 
 for command in (convert.convert, native.build_plugins, runtime.run, runtime.validate, inspect.inspect,
-                doctor.doctor, timing.bench, timing.profile, debug.debug, serve.serve, serve.export):
+                doctor.doctor, timing.bench, timing.tune, timing.profile, debug.debug, serve.serve, serve.export):
     main.add_command(command)

@@ -52,3 +52,22 @@ def _output_text(metrics: dict) -> str:
 
 def _number(value, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}g}"
+
+
+def print_tuning_table(tuning: dict) -> None:
+    """Every candidate per batch size: p50, max abs error, chosen / passed / failed / skipped and why (tune, convert --tune, inspect)."""
+    where = tuning["device"] + (f", {tuning['gpu']} (sm {tuning['cuda_arch']})" if tuning.get("gpu") else "")
+    table = Table(title=f"tuning on {where}, {tuning['created']}; checked against {tuning['reference']}",
+                  title_justify="left")
+    for column in ("batch", "candidate", "p50 ms", "max abs", "verdict"):
+        table.add_column(column, justify="left" if column in ("candidate", "verdict") else "right", overflow="fold")
+    for row in [*tuning["choices"], *tuning.get("unchosen", [])]:
+        for c in row["candidates"]:
+            timed = c["p50_ms"] is not None
+            verdict = ("[bold green]chosen[/]" if c.get("chosen") else "[green]passed[/]" if c["passed"]
+                       else f"[red]failed[/]: {c['reason']}" if timed else f"[yellow]skipped[/]: {c['reason']}")
+            table.add_row(str(row["batch"]), c["label"], f"{c['p50_ms']:.3f}" if timed else "",
+                          "" if c["max_abs"] is None else f"{c['max_abs']:.3g}", verdict)
+    console.print(table)
+    for note in tuning.get("notes", []):
+        console.print(f"note: {note}", soft_wrap=True)

@@ -10,7 +10,7 @@ from deploykit.cli._common import (
     console, echo_json, exit_with_verdict, handle_errors, json_option, model_loading_options, parse_with,
     seed_option, stage_printer, tolerance_option, verbose_option,
 )
-from deploykit.cli._printing import print_notes_and_failures, print_validation_table, tradeoff_lines
+from deploykit.cli._printing import print_notes_and_failures, print_tuning_table, print_validation_table, tradeoff_lines
 
 PRECISIONS = ["fp32", "fp16", "bf16"]
 
@@ -47,11 +47,13 @@ _LISTED_FP32_NODES = 8
               help="AOTInductor packages: one over the --batch range, one per validated batch size, or both.")
 @click.option("--trt-targets", metavar="CC,CC", help="TensorRT-RTX compute capabilities, e.g. 8.6,8.9,12.0.")
 @click.option("--trt-workspace", type=click.IntRange(min=1), metavar="MIB", help="TensorRT workspace limit in MiB.")
+@click.option("--tune", is_flag=True, help="Then time every backend that runs the bundle here, check its outputs, and "
+              "record the fastest per batch size for deploykit.load (docs/tuning.md).")
 @click.option("--force", is_flag=True, help="Replace an existing bundle.")
 @json_option("Print the report as JSON on stdout.")
 @verbose_option("Show tracebacks and exporter logs.")
 def convert(model, output, inputs, batch, factory, trust_pickle, exporter, opset, feeds_path, seed, tolerances,
-            precision, io_precision, auto_fix, no_custom_ops, backend, aoti_shapes, trt_targets, trt_workspace, force,
+            precision, io_precision, auto_fix, no_custom_ops, backend, aoti_shapes, trt_targets, trt_workspace, tune, force,
             as_json, verbose):
     """Convert MODEL (TorchScript, .pt2, state_dict with --factory) into a validated bundle."""
     from deploykit.api import ConvertOptions, convert as run_convert  # heavy imports after parsing
@@ -63,7 +65,7 @@ def convert(model, output, inputs, batch, factory, trust_pickle, exporter, opset
         factory=factory, trust_pickle=trust_pickle, exporter=exporter, opset=opset,
         feeds_path=feeds_path, seed=seed, tolerances=list(tolerances), force=force,
         custom_ops=not no_custom_ops, backend=backend, aoti_shapes=aoti_shapes,
-        precision=precision, io_precision=io_precision, auto_fix=auto_fix,
+        precision=precision, io_precision=io_precision, auto_fix=auto_fix, tune=tune,
         trt_targets=[t.strip() for t in trt_targets.split(",")] if trt_targets else None,
         trt_workspace_bytes=trt_workspace << 20 if trt_workspace else None,
     )
@@ -107,6 +109,8 @@ def _print_summary(result) -> None:
     for other in others:
         console.print(f"{other['label']} ({other['backend']}): {'pass' if other['passed'] else 'FAIL'}")
     print_notes_and_failures(report["notes"], report["failures"])
+    if report.get("tuning"):
+        print_tuning_table(report["tuning"])
     colour = "green" if result.passed else "red"
     console.print(f"[bold {colour}]{report['verdict'].upper()}[/]: {report['summary']}")
     console.print(f"Bundle: {result.out_dir}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from deploykit.cli._common import BUNDLE, console, echo_json, exit_with_verdict, handle_errors, json_option, verbose_option
+from deploykit.cli._printing import print_tuning_table
 
 
 @click.command("inspect")
@@ -62,6 +63,8 @@ def _print_info(info: dict) -> None:
     console.print(f"validation at conversion: {'passed' if validation.get('passed') else 'FAILED'} on "
                   f"{validation.get('backend')}, batch sizes {validation.get('batch_sizes')}, max abs {worst}",
                   soft_wrap=True)
+    if info["tuning"]:
+        print_tuning_table(info["tuning"])
     for native in info["native"]:
         needed = ("[bold yellow]needs --trust-bundle[/] (an op library is replaced by this machine's build where "
                   "deploykit can build one)") if native["needs_trust"] else "loads without --trust-bundle"

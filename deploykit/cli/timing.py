@@ -66,9 +66,10 @@ def _results_folder(output: Path | None, bundle: Path) -> Path:
               help="Another bundle of the same model (say the fp32 one) to time in ONNX Runtime in the same run.")
 @click.option("--batch", "batches", metavar="N,N,...", help="Batch sizes (default: the bundle's MIN, OPT, MAX).")
 @_device_option
-@click.option("--only", metavar="KEY,KEY", help="Contenders to run: pytorch, torch-compile, pytorch-fp16, "
-              "torch-compile-fp16 (and -bf16), ort-plain, ort-functions, ort-deploykit, ort-cuda-graph, baseline, "
-              "baseline-cuda-graph, tensorrt (default: all that can run).")
+@click.option("--only", metavar="KEY,KEY", help="Contenders to run: pytorch, torch-compile, reduce-overhead "
+              "(torch.compile(mode='reduce-overhead')), pytorch-fp16, torch-compile-fp16, reduce-overhead-fp16 (and "
+              "-bf16), ort-plain, ort-functions, ort-deploykit, ort-cuda-graph, baseline, baseline-cuda-graph, "
+              "tensorrt, aoti-static, aoti-dynamic, deploykit-load (default: all that can run).")
 @click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True, help="Untimed calls first.")
 @click.option("--iterations", type=click.IntRange(min=1), default=100, show_default=True, help="Timed calls.")
 @click.option("--max-seconds", type=click.FloatRange(min=0.1), default=20.0, show_default=True,
@@ -91,7 +92,7 @@ def bench(bundle, model, factory, trust_pickle, plain_onnx, export_plain, baseli
         settings = benchmark.Settings(benchmark.batch_plan(opened, benchmark.parse_batches(batches)),
                                       benchmark.resolve_device(device), warmup, iterations, max_seconds, tf32=tf32,
                                       trust_native=trust_bundle)
-        wants_source = selected is None or any(key.startswith(("pytorch", "torch-compile")) for key in selected) \
+        wants_source = selected is None or any(key.startswith(benchmark.PYTORCH_KEYS) for key in selected) \
             or export_plain
         with stage_printer(quiet=as_json)("Loading the backends"):
             source = (benchmark.load_source(opened, model, factory, trust_pickle) if wants_source
@@ -134,13 +135,16 @@ def _print_bench(result: dict, folder: Path) -> None:
     from rich.table import Table
 
     table = Table(title=f"{result['bundle']} on {result['device']}", title_justify="left")
-    for column in ("backend", "batch", "p50 ms", "p90 ms", "p99 ms", "mean ms", "cv", "samples/s", "vs best"):
+    for column in ("backend", "batch", "p50 ms", "p90 ms", "p99 ms", "mean ms", "cv", "samples/s", "vs best",
+                   "vs r-o"):
         table.add_column(column, justify="left" if column == "backend" else "right", no_wrap=column == "backend")
     for entry in result["contenders"]:
         for r in entry["results"]:
             ratio = "[green]best[/]" if r["vs_fastest"] == 1.0 else f"{r['vs_fastest']:.2f}x"
+            versus = "" if r["vs_reduce_overhead"] is None else f"{r['vs_reduce_overhead']:.2f}x"
             table.add_row(entry["key"], str(r["batch"]), f"{r['p50_ms']:.3f}", f"{r['p90_ms']:.3f}",
-                          f"{r['p99_ms']:.3f}", f"{r['mean_ms']:.3f}", f"{r['cv']:.2f}", f"{r['throughput']:.0f}", ratio)
+                          f"{r['p99_ms']:.3f}", f"{r['mean_ms']:.3f}", f"{r['cv']:.2f}", f"{r['throughput']:.0f}", ratio,
+                          versus)
     console.print(table)
     for entry in result["contenders"]:
         if entry["status"] != "ok" and not entry["reason"].startswith("not selected"):
@@ -150,7 +154,58 @@ def _print_bench(result: dict, folder: Path) -> None:
     if any(r["cv"] > 0.5 for entry in result["contenders"] for r in entry["results"]):
         console.print("[yellow]note:[/] some timings vary a lot (cv > 0.5): is other work running on this machine? "
                       "Use more --iterations or a quieter machine", soft_wrap=True)
+    console.print("vs r-o: p50 over torch.compile(mode=\"reduce-overhead\")'s in the same precision (below 1x: "
+                  "faster)", soft_wrap=True)
     console.print(f"Timing: {result['timing']}. Results: {folder / 'bench.json'}, plot: {folder / 'bench.png'}")
+
+
+# --------------------------------------------------------------------------- tune
+
+
+@click.command("tune")
+@click.argument("bundle", type=BUNDLE)
+@_source_options
+@click.option("--batch", "batches", metavar="N,N,...", help="Batch sizes (default: the bundle's validated ones).")
+@_device_option
+@click.option("--warmup", type=click.IntRange(min=0), default=5, show_default=True, help="Untimed calls first.")
+@click.option("--iterations", type=click.IntRange(min=1), default=50, show_default=True, help="Timed calls.")
+@click.option("--max-seconds", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+              help="Stop timing one candidate and batch size after this long.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@trust_bundle_option
+@allow_failed_option("Tune a bundle whose validation failed.")
+@json_option("Print the tuning table on stdout.")
+@verbose_option()
+def tune(bundle, model, factory, trust_pickle, batches, device, warmup, iterations, max_seconds, seed, trust_bundle,
+         allow_failed, as_json, verbose):
+    """Time every backend that runs BUNDLE here, check its outputs, record the fastest per batch size.
+
+    deploykit.load(BUNDLE) then runs that choice on a machine with the same device and GPU
+    (docs/tuning.md). Outputs are checked against the source model when it loads, else against
+    the bundle's own graph on ONNX Runtime's CPU provider; the table in manifest.json says which.
+    """
+    from deploykit import runtime
+    from deploykit.cli._printing import print_tuning_table
+    from deploykit.tools import bench as benchmark
+    from deploykit.tuning.record import write_tuning
+    from deploykit.tuning.tune import TuneSettings, tune_bundle
+
+    with handle_errors(verbose):
+        sizes = benchmark.parse_batches(batches)
+        opened = _open_checked(bundle, allow_failed)
+        sizes = benchmark.batch_plan(opened, sizes or opened.manifest.get("validation", {}).get("batch_sizes"))
+        settings = TuneSettings(device=benchmark.resolve_device(device), warmup=warmup, iterations=iterations,
+                                max_seconds=max_seconds, device_id=runtime.parse_device(device)[1], seed=seed,
+                                trust_native=trust_bundle)
+        with stage_printer(quiet=as_json)("Timing what runs here"):
+            source = benchmark.load_source(opened, model, factory, trust_pickle)
+            table = tune_bundle(opened, source.loaded, settings, sizes, source.reason)
+        write_tuning(opened.path, table)
+    if as_json:
+        echo_json(table)
+        return
+    print_tuning_table(table)
+    console.print(f"Recorded in {opened.path / 'manifest.json'}")
 
 
 # --------------------------------------------------------------------------- profile

@@ -31,3 +31,4 @@ class ConvertOptions:
     precision: str = "fp32"  # fp16/bf16: docs/precision.md
     io_precision: str | None = None  # None: inputs and outputs keep their declared types
     auto_fix: bool = False  # pin the nodes that break reduced-precision validation to fp32
+    tune: bool = False  # after writing the bundle, time what runs here and record the fastest (docs/tuning.md)

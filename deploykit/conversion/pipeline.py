@@ -26,6 +26,7 @@ from deploykit.bundle import trust
 from deploykit.bundle import write as bundle
 from deploykit.bundle.format import MODEL, REFERENCE_MODEL, REPORT, REPORT_PAGE
 from deploykit.bundle.manifest import build_manifest, tensor_spec
+from deploykit.bundle.read import open_bundle
 from deploykit.conversion import aoti
 from deploykit.conversion.engine import build_tensorrt_stage
 from deploykit.conversion.export import check_program_batch, export_onnx
@@ -181,6 +182,27 @@ def _write_bundle(state: ConversionState) -> None:
     trust.record_written([entry["sha256"] for entry in manifest["native"]])
 
 
+def _tune(state: ConversionState) -> None:
+    """Time and check every backend that runs the written bundle here against the in-memory PyTorch
+    model, with the conversion's inputs and tolerances, and record the table in the bundle."""
+    from deploykit.tools.bench import resolve_device
+    from deploykit.tuning.checking import Reference, Remembered
+    from deploykit.tuning.record import write_tuning
+    from deploykit.tuning.tune import TuneSettings, tune
+
+    written = open_bundle(state.options.output)
+    reference = Reference(Remembered(state.reference), "the PyTorch model (fp32, CPU) as validated",
+                          state.tolerances)
+    state.tuning = tune(written, reference, state.feed_sets, TuneSettings(device=resolve_device("auto")))
+    write_tuning(written.path, state.tuning)
+    state.report["tuning"] = state.tuning
+
+
+def _tune_requested(state: ConversionState) -> bool:
+    """--tune, on a bundle that passed validation (a failed one is not for running)."""
+    return state.options.tune and state.passed
+
+
 def _reduced_precision(state: ConversionState) -> bool:
     return state.options.precision != "fp32"
 
@@ -215,6 +237,7 @@ STEPS = (
     Step("Validating against PyTorch", _validate),
     Step("Pinning the nodes that diverge to fp32 (--auto-fix)", _auto_fix, _auto_fix_can_help),
     Step("Writing the bundle", _write_bundle),
+    Step("Timing what runs here (--tune)", _tune, _tune_requested),
 )
 
 

@@ -60,6 +60,8 @@ class ConversionState:
     created: str | None = None
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
     report: dict = dataclasses.field(default_factory=dict)
+    # "Timing what runs here (--tune)": the manifest's tuning table
+    tuning: dict | None = None
 
     @property
     def shipped_graph(self) -> onnx.ModelProto | None:

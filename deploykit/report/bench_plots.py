@@ -10,7 +10,8 @@ CUSTOM_COLOUR, OTHER_COLOUR = "#d62728", "#1f77b4"
 
 
 def bench_png(bench: dict) -> bytes:
-    """Left: p50 latency per batch size (bars; whiskers up to p99). Right: throughput."""
+    """Left: p50 latency per batch size (bars; whiskers up to p99; each labelled with its ratio to
+    torch.compile(mode="reduce-overhead") in the same precision). Right: throughput."""
     measured = [c for c in bench["contenders"] if c["results"]]
     batches = sorted({r["batch"] for c in measured for r in c["results"]})
     figure, (latency, throughput) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110)
@@ -22,11 +23,15 @@ def bench_png(bench: dict) -> bytes:
         p50 = [r["p50_ms"] for r in rows]
         spread = [[0] * len(rows), [r["p99_ms"] - r["p50_ms"] for r in rows]]
         latency.bar(xs, p50, width, yerr=spread, capsize=2, label=contender["label"])
+        for x, row in zip(xs, rows):  # the ratio to torch.compile(mode="reduce-overhead") in the same precision
+            if row.get("vs_reduce_overhead") is not None:
+                latency.annotate(f"{row['vs_reduce_overhead']:.2f}x", (x, row["p50_ms"]), ha="center",
+                                 va="bottom", fontsize=5, rotation=90)
         throughput.plot([b for b in batches if b in by_batch], [r["throughput"] for r in rows], marker="o",
                         label=contender["label"])
     latency.set_xticks(range(len(batches)), [str(b) for b in batches])
     latency.set_xlabel("batch size")
-    latency.set_ylabel("latency p50 (ms); whisker: p99")
+    latency.set_ylabel("latency p50 (ms); whisker: p99; label: vs reduce-overhead")
     latency.set_title(f"latency on {bench['device']}", fontsize=10)
     if len(batches) > 1 and batches[-1] / batches[0] >= 4:
         throughput.set_xscale("log", base=2)

@@ -16,6 +16,7 @@ from deploykit.backends.onnxruntime.loader import CUDA_EP
 from deploykit.backends.tensorrt.bundle import load_tensorrt_engine
 from deploykit.backends.tensorrt.compat import engine_problem_here
 from deploykit.backends.tensorrt.shim import local_gpus
+from deploykit.tuning.route import load_tuned
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt", "aoti")
 #: What ``load(..., backend="aoti")`` passes on to the AOTInductor runner.
@@ -79,8 +80,10 @@ def load(bundle: str | Path, backend: str = "auto", device: str = "auto", *, all
          **options) -> Runner:
     """Open a bundle and return a runner for it.
 
-    ``backend``: auto (the engine where this GPU runs it, else ONNX Runtime), onnxruntime,
-    tensorrt or aoti (the bundle's AOTInductor packages: cuda ones on a GPU, else cpu ones). ``device``: auto, cpu, cuda or cuda:N. Files are checked against the manifest's
+    ``backend``: auto (the fastest validated choice per batch size where the bundle was tuned on a
+    machine like this one, docs/tuning.md; else the engine where this GPU runs it, else ONNX
+    Runtime), onnxruntime, tensorrt or aoti (the bundle's AOTInductor packages: cuda ones on a GPU,
+    else cpu ones). ``device``: auto, cpu, cuda or cuda:N. Files are checked against the manifest's
     sha256 (``verify=False`` skips it). Native code from the bundle (its op library, an engine's
     plugins) runs only when this machine's deploykit made it, or with ``trust_native=True``
     (else a foreign op library is swapped for this machine's build, or refused). A bundle that
@@ -94,7 +97,15 @@ def load(bundle: str | Path, backend: str = "auto", device: str = "auto", *, all
     opened = open_bundle(bundle)
     check_validation(opened, allow_failed)
     kind, device_id = parse_device(device)
-    chosen, kind, notes = choose_backend(opened, backend, kind, trust_native)
+    notes: list[str] = []
+    if backend == "auto" and opened.manifest.get("tuning"):
+        here = kind if kind != "auto" else ("cuda" if has_gpu() else "cpu")
+        tuned = load_tuned(opened, here, device_id, notes, trust_native=trust_native, verify=verify,
+                           allow_unvalidated=allow_unvalidated, op_library=op_library, **options)
+        if tuned is not None:
+            return _warned(tuned)
+    chosen, kind, choice_notes = choose_backend(opened, backend, kind, trust_native)
+    notes += choice_notes
     if chosen == "aoti":
         unknown = sorted(set(options) - set(AOTI_OPTIONS))
         if unknown:
@@ -110,6 +121,10 @@ def load(bundle: str | Path, backend: str = "auto", device: str = "auto", *, all
     else:
         runner = load_onnxruntime(opened, kind, device_id, op_library=op_library, verify=verify, notes=notes,
                                   allow_unvalidated=allow_unvalidated, trust_native=trust_native, **options)
+    return _warned(runner)
+
+
+def _warned(runner: Runner) -> Runner:
     for note in runner.warnings:
-        warnings.warn(note, RuntimeWarning, stacklevel=2)
+        warnings.warn(note, RuntimeWarning, stacklevel=3)
     return runner

@@ -1,20 +1,22 @@
 """``deploykit bench``: latency and throughput of a bundle's backends side by side, per batch size.
 
-Each contender (PyTorch eager and torch.compile, in fp32 and in the bundle's reduced precision,
-ONNX Runtime on the plain export, on deploykit's graph with its ONNX functions and with our op
-library, with CUDA graphs, TensorRT) turns a feed set into a zero-argument step that runs one
+Each contender (PyTorch eager, torch.compile and torch.compile(mode="reduce-overhead"), in fp32
+and in the bundle's reduced precision, ONNX Runtime on the plain export, on deploykit's graph with
+its ONNX functions and with our op library, with CUDA graphs, TensorRT, the bundle's AOTInductor
+packages, and ``deploykit.load(bundle)`` as users get it) turns a feed set into a zero-argument step that runs one
 inference to completion; the same loop times every step after a warm-up. What cannot run here is
 listed with the reason instead of silently missing from the table. Inputs live where the backend
 runs (CUDA tensors on a GPU), so the numbers measure inference, not host copies.
 
 On a GPU every contender runs on one bench stream (ONNX Runtime through its
 ``user_compute_stream``) and each call is timed by CUDA events recorded on that stream before
-and after it: the latency of one synchronous inference, launch gaps included.
+and after it: the latency of one synchronous inference, launch gaps included (the timer lives in
+:mod:`deploykit.tuning.timing`, shared with ``deploykit tune``). ``vs_reduce_overhead`` puts each
+result against torch.compile(mode="reduce-overhead") in the same precision at the same batch size.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import datetime
@@ -31,9 +33,9 @@ import numpy as np
 from deploykit import runtime
 from deploykit.bundle.trust import UntrustedNativeCode
 from deploykit.errors import BadInputError, DeployKitError, error_summary
+from deploykit.tuning.candidates import find_candidates, open_runner
+from deploykit.tuning.timing import TIMING, Step, bench_stream, measure, stream_pointer, summarize
 from deploykit.versions import tool_versions
-
-Step = Callable[[], object]
 
 
 @dataclasses.dataclass
@@ -62,6 +64,7 @@ class Contender:
     reason: str = ""
     failed: bool = False
     inputs: list[dict] | None = None  # input specs when it runs another bundle than the benched one
+    precision: str = "fp32"  # what it computes in: its vs_reduce_overhead is against that precision's
 
 
 @dataclasses.dataclass
@@ -94,8 +97,12 @@ def load_source(bundle: runtime.Bundle, model: Path | None, factory: str | None,
 
 
 REDUCED = ("fp16", "bf16")
-KEYS = ("pytorch", "torch-compile", *(f"{key}-{p}" for p in REDUCED for key in ("pytorch", "torch-compile")),
-        "ort-plain", "ort-functions", "ort-deploykit", "ort-cuda-graph", "baseline", "baseline-cuda-graph", "tensorrt")
+PYTORCH_KEYS = ("pytorch", "torch-compile", "reduce-overhead")
+KEYS = (*PYTORCH_KEYS, *(f"{key}-{p}" for p in REDUCED for key in PYTORCH_KEYS),
+        "ort-plain", "ort-functions", "ort-deploykit", "ort-cuda-graph", "baseline", "baseline-cuda-graph", "tensorrt",
+        "aoti-static", "aoti-dynamic", "deploykit-load")
+#: torch.compile(mode="reduce-overhead"): CUDA graphs on a GPU; on the CPU it compiles but has none to replay.
+REDUCE_OVERHEAD = "reduce-overhead"
 
 
 def contenders(bundle: runtime.Bundle, settings: Settings, source: SourceModel, *, plain_onnx: Path | None = None,
@@ -112,14 +119,18 @@ def contenders(bundle: runtime.Bundle, settings: Settings, source: SourceModel, 
     graph = "ONNX Runtime: deploykit graph" + (" + op library" if bundle.op_library else "")
     device, tf32, trust_native = settings.device, settings.tf32, settings.trust_native
     precision = bundle.manifest.get("precision", "fp32")
+    ro_label = 'torch.compile(mode="reduce-overhead")' + ("" if device == "cuda" else " (CPU: no CUDA graphs)")
     plans = [
         ("pytorch", "PyTorch eager", lambda: _eager(source, device)),
         ("torch-compile", "torch.compile", lambda: _compiled(source, device)),
+        (REDUCE_OVERHEAD, ro_label, lambda: _compiled(source, device, mode=REDUCE_OVERHEAD)),
     ]
     if precision in REDUCED:  # the fair PyTorch baseline for a reduced-precision bundle
         plans += [
             (f"pytorch-{precision}", f"PyTorch eager, {precision}", lambda: _eager(source, device, precision)),
             (f"torch-compile-{precision}", f"torch.compile, {precision}", lambda: _compiled(source, device, precision)),
+            (f"{REDUCE_OVERHEAD}-{precision}", f"{ro_label}, {precision}",
+             lambda: _compiled(source, device, precision, REDUCE_OVERHEAD)),
         ]
     plans += [
         ("ort-plain", "ONNX Runtime: plain export", lambda: _plain(bundle, device, tf32, source, plain_onnx, export_plain)),
@@ -137,13 +148,26 @@ def contenders(bundle: runtime.Bundle, settings: Settings, source: SourceModel, 
              lambda: _ort_cuda_graph(baseline, device, tf32, trust_native)),
         ]
     plans.append(("tensorrt", "TensorRT engine", lambda: _tensorrt(bundle, device, trust_native)))
+    plans += [(f"aoti-{kind}", f"AOTInductor, {kind} package{'s' if kind == 'static' else ''}",
+               functools.partial(_aoti, bundle, device, trust_native, kind)) for kind in ("static", "dynamic")]
+    plans.append(("deploykit-load", "deploykit.load(bundle)", lambda: _default_load(bundle, device, trust_native)))
     if not bundle.op_library:  # without our ops the two deploykit-graph contenders are the same
         plans = [plan for plan in plans if plan[0] != "ort-functions"]
     found = [_contender(key, label, plan, only) for key, label, plan in plans]
     for contender in found:
+        contender.precision = _precision_of(contender.key, bundle, baseline)
         if contender.key.startswith("baseline"):
             contender.inputs = baseline.inputs
     return found
+
+
+def _precision_of(key: str, bundle: runtime.Bundle, baseline: runtime.Bundle | None) -> str:
+    """What a contender computes in: PyTorch's says it in its key, a bundle's is the bundle's precision."""
+    if key.startswith(PYTORCH_KEYS):
+        return next((p for p in REDUCED if key.endswith(f"-{p}")), "fp32")
+    if key == "ort-plain":
+        return "fp32"
+    return (baseline if key.startswith("baseline") else bundle).precision
 
 
 def _contender(key: str, label: str, plan, only: set[str] | None) -> Contender:
@@ -186,13 +210,17 @@ def torch_dtype(precision: str):
     return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
 
 
-def _module_step(module, device: str, precision: str) -> Callable[[dict], Step]:
+def _module_step(module, device: str, precision: str, graphs: bool = False) -> Callable[[dict], Step]:
+    """``graphs``: the module replays CUDA graphs (reduce-overhead), so each call starts a new step
+    (its outputs may be overwritten by the next replay, which a benchmark does not read)."""
     def prepare(feeds: dict) -> Step:
         import torch
 
         args, sync = [t.to(device) for t in cast_feeds(feeds, precision).values()], _synchronize(device)
 
         def step():
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
             with torch.inference_mode():
                 result = module(*args)
             sync()
@@ -222,7 +250,7 @@ def _eager(source: SourceModel, device: str, precision: str = "fp32"):
     return lambda: _module_step(_module_copy(source, device, precision), device, precision)
 
 
-def _compiled(source: SourceModel, device: str, precision: str = "fp32"):
+def _compiled(source: SourceModel, device: str, precision: str = "fp32", mode: str | None = None):
     if problem := _pytorch_problem(source, device, precision):
         return problem
     if source.loaded.kind == "torchscript":
@@ -232,7 +260,8 @@ def _compiled(source: SourceModel, device: str, precision: str = "fp32"):
         import torch
 
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "no CUDA runtime" on CPU machines
-        return _module_step(torch.compile(_module_copy(source, device, precision)), device, precision)
+        compiled = torch.compile(_module_copy(source, device, precision), mode=mode)
+        return _module_step(compiled, device, precision, graphs=mode == REDUCE_OVERHEAD and device == "cuda")
 
     return setup
 
@@ -270,11 +299,6 @@ def export_plain_onnx(bundle: runtime.Bundle, loaded) -> Path:
 _TEMPORARY: list[tempfile.TemporaryDirectory] = []  # removed when the process ends
 
 
-def _bench_stream(device: str) -> int | None:
-    """The stream ONNX Runtime must run on to be timed: torch's current one, which is the bench stream."""
-    return runtime.TorchMemory(0).stream() if device == "cuda" else None
-
-
 def _ort(bundle, device, tf32: bool, op_library: bool, trust_native: bool = False, model: Path | None = None):
     if device == "cuda" and not runtime.ort_has_cuda():
         return f"onnxruntime has no {runtime.CUDA_EP} (pip install onnxruntime-gpu)"
@@ -282,7 +306,7 @@ def _ort(bundle, device, tf32: bool, op_library: bool, trust_native: bool = Fals
     def setup():
         # timing, not outputs: any batch the user asks for is measured, validated or not
         runner = runtime.load_onnxruntime(bundle, device, op_library=op_library, model=model,
-                                          stream=_bench_stream(device), tf32=tf32, allow_unvalidated=True,
+                                          stream=stream_pointer(device), tf32=tf32, allow_unvalidated=True,
                                           trust_native=trust_native)
 
         def prepare(feeds: dict) -> Step:
@@ -303,7 +327,7 @@ def _ort_cuda_graph(bundle, device, tf32: bool, trust_native: bool):
 def cuda_graph_step(bundle: runtime.Bundle, tf32: bool, trust_native: bool, feeds: dict) -> Step:
     """A session per batch size with CUDA graphs on: ORT captures the first run and replays it,
     which needs inputs and outputs at fixed device addresses (IOBinding)."""
-    runner = runtime.load_onnxruntime(bundle, "cuda", cuda_graph=True, stream=_bench_stream("cuda"), tf32=tf32,
+    runner = runtime.load_onnxruntime(bundle, "cuda", cuda_graph=True, stream=stream_pointer("cuda"), tf32=tf32,
                                       trust_native=trust_native)
     memory = runtime.TorchMemory(0)
     given = {name: runtime.as_feed(name, memory.to_device(array)) for name, array in feeds.items()}
@@ -337,102 +361,83 @@ def _tensorrt(bundle: runtime.Bundle, device: str, trust_native: bool):
     def setup():
         runner = runtime.load_tensorrt_engine(bundle, entry, trust_native=trust_native)
 
-        def prepare(feeds: dict) -> Step:
-            given, sync = dict(zip(feeds, _torch_feeds(feeds, "cuda"))), _synchronize("cuda")
-            return lambda: (runner.run(given), sync())
+        return lambda feeds: _synchronized_step(runner, feeds, "cuda")
+
+    return setup
+
+
+def _aoti(bundle: runtime.Bundle, device: str, trust_native: bool, kind: str):
+    """The bundle's AOTI packages of one kind as one runner: static (one per batch size: a batch
+    without its own package is not timed) or dynamic (one over the batch range)."""
+    if not bundle.aoti:
+        return "the bundle has no AOTInductor package (convert with --backend aoti)"
+    found = [c for c in find_candidates(bundle, device, trust_native)
+             if c.backend == "aoti" and c.options["packages"] == kind and not c.options["cuda_graph"]]
+    if not found:
+        return f"the bundle has no {kind} AOTInductor package for {device}"
+    candidate = found[0]
+    if candidate.problem:
+        return candidate.problem
+
+    def setup():
+        runner = open_runner(bundle, "aoti", {"packages": kind}, device, trust_native=trust_native,
+                             allow_unvalidated=True)  # each package's own CUDA graph setting
+
+        def prepare(feeds: dict) -> Step | None:
+            batch = next(iter(feeds.values())).shape[0]
+            return _synchronized_step(runner, feeds, device) if candidate.accepts(batch) else None
 
         return prepare
 
     return setup
 
 
+def _default_load(bundle: runtime.Bundle, device: str, trust_native: bool):
+    """What ``deploykit.load(bundle)`` gives users on this device: its tuned choice, the engine or ONNX Runtime."""
+    def setup():
+        # the bench decided already whether a failed bundle may be timed (--allow-failed)
+        runner = runtime.load(bundle.path, device=device, trust_native=trust_native, allow_failed=True,
+                              allow_unvalidated=True)
+        return lambda feeds: _synchronized_step(runner, feeds, device)
+
+    return setup
+
+
+def _synchronized_step(runner, feeds: dict, device: str) -> Step:
+    """A runner that may work on its own stream, followed by a device sync so the step is one whole inference."""
+    given, sync = (dict(zip(feeds, _torch_feeds(feeds, "cuda"))), _synchronize("cuda")) if device == "cuda" \
+        else (feeds, _synchronize(device))
+    return lambda: (runner.run(given), sync())
+
+
 # --------------------------------------------------------------------------- measuring
 
 
-TIMING = {"cpu": "host clock around each call",
-          "cuda": "CUDA events on the bench stream before and after each synchronous call"}
-
-
-def call_timer(device: str) -> Callable[[Step], float]:
-    """Seconds one call of a step takes: CUDA events on the current (bench) stream on a GPU, where
-    every contender's work is queued, else the host clock."""
-    if device != "cuda":
-        def host_clock(step: Step) -> float:
-            start = time.perf_counter()
-            step()
-            return time.perf_counter() - start
-
-        return host_clock
-    import torch
-
-    def cuda_events(step: Step) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-
-    return cuda_events
-
-
-@contextlib.contextmanager
-def bench_stream(device: str, tf32: bool):
-    """On a GPU, one non-default stream for every contender (ONNX Runtime's sessions are given it),
-    and PyTorch's TF32 switches set as ONNX Runtime's are, so fp32 means the same on both sides."""
-    if device != "cuda":
-        yield
-        return
-    import torch
-
-    switches = torch.backends.cudnn, torch.backends.cuda.matmul
-    saved = [switch.allow_tf32 for switch in switches]
-    try:
-        for switch in switches:
-            switch.allow_tf32 = tf32
-        with torch.cuda.stream(torch.cuda.Stream()):
-            yield
-    finally:
-        for switch, value in zip(switches, saved):
-            switch.allow_tf32 = value
-
-
-def measure(step: Step, settings: Settings) -> list[float]:
-    """Seconds per call after ``warmup`` calls; at least 5 calls, then stop at ``max_seconds``."""
-    for _ in range(settings.warmup):
-        step()
-    timer, times, deadline = call_timer(settings.device), [], time.perf_counter() + settings.max_seconds
-    for index in range(settings.iterations):
-        times.append(timer(step))
-        if time.perf_counter() > deadline and index >= 4:
-            break
-    return times
-
-
-def summarize(times: list[float], batch: int) -> dict:
-    """Latency percentiles (ms), mean, coefficient of variation and samples per second."""
-    ms = np.asarray(times) * 1e3
-    mean = float(ms.mean())
-    p50, p90, p99 = (float(v) for v in np.percentile(ms, [50, 90, 99]))
-    return {"batch": batch, "iterations": len(times), "p50_ms": p50, "p90_ms": p90, "p99_ms": p99, "mean_ms": mean,
-            "cv": float(ms.std() / mean) if mean else 0.0, "throughput": batch / (mean / 1e3) if mean else 0.0}
-
-
 def add_ratios(entries: list[dict]) -> None:
-    """``vs_fastest``: p50 latency over the fastest contender's at the same batch size (1.0 = fastest)."""
+    """``vs_fastest``: p50 latency over the fastest contender's at the same batch size (1.0 = fastest).
+    ``vs_reduce_overhead``: over torch.compile(mode="reduce-overhead")'s in the contender's precision
+    at that batch size (below 1: faster than it), None where that one did not run."""
     best: dict[int, float] = {}
     for entry in entries:
         for result in entry["results"]:
             best[result["batch"]] = min(best.get(result["batch"], float("inf")), result["p50_ms"])
+    baselines = {(entry["precision"], r["batch"]): r["p50_ms"] for entry in entries for r in entry["results"]
+                 if entry["key"] == _reduce_overhead_key(entry["precision"])}
     for entry in entries:
         for result in entry["results"]:
             result["vs_fastest"] = result["p50_ms"] / best[result["batch"]]
+            baseline = baselines.get((entry["precision"], result["batch"]))
+            result["vs_reduce_overhead"] = result["p50_ms"] / baseline if baseline else None
+
+
+def _reduce_overhead_key(precision: str) -> str:
+    return REDUCE_OVERHEAD if precision == "fp32" else f"{REDUCE_OVERHEAD}-{precision}"
 
 
 def bench_contender(contender: Contender, settings: Settings, specs: list[dict], tick) -> dict:
     """Time one contender at every batch size; a failure is recorded, not raised."""
-    entry = {"key": contender.key, "label": contender.label, "status": "failed" if contender.failed else "skipped",
-             "reason": contender.reason, "results": []}
+    entry = {"key": contender.key, "label": contender.label, "precision": contender.precision,
+             "status": "failed" if contender.failed else "skipped", "reason": contender.reason, "results": []}
     if contender.setup is None:
         return entry
     try:
@@ -443,6 +448,9 @@ def bench_contender(contender: Contender, settings: Settings, specs: list[dict],
         for batch in settings.batch_sizes:
             tick(f"{contender.label}, batch {batch}")
             step = prepare(runtime.random_inputs(contender.inputs or specs, batch, settings.seed))
+            if step is None:  # this contender does not take this batch size (a static package's)
+                entry.setdefault("not_timed", []).append(batch)
+                continue
             start = time.perf_counter()
             step()  # first call: compilation, graph capture, lazy initialisation
             first = time.perf_counter() - start

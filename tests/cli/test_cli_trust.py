@@ -17,6 +17,7 @@ COMMANDS = {
     "run": ["run", "{bundle}", "--device", "cpu"],
     "validate": ["validate", "{bundle}", "model.pt", "--device", "cpu"],
     "bench": ["bench", "{bundle}", "--only", "ort-deploykit", "--device", "cpu", "--iterations", "1", "-o", "{out}"],
+    "tune": ["tune", "{bundle}", "--device", "cpu", "--iterations", "1", "--warmup", "0"],
     "profile": ["profile", "{bundle}", "--only", "onnxruntime", "--device", "cpu", "--iterations", "1", "-o", "{out}"],
     "doctor": ["doctor", "{bundle}"],
     "debug": ["debug", "{bundle}", "--layerwise"],

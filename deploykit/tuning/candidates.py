@@ -1,0 +1,162 @@
+"""What can run a bundle here, each as (backend, options), and the one way to open it.
+
+ONNX Runtime on the CPU; on a GPU, ONNX Runtime's CUDA provider with CUDA graphs on and off (and
+NHWC kernels on and off when the graph has convolutions), each TensorRT engine this GPU runs and
+the AOTInductor packages built for this torch and device (static ones, the dynamic one). What cannot run here stays in the list
+with the reason, so the tuning table says why it was not timed. ``open_runner`` is also what the
+tuned runner of ``deploykit.load`` uses, so what was timed is what runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import onnx
+
+from deploykit.backends.aoti.bundle import load_aoti, runnable_entry
+from deploykit.backends.aoti.compat import package_problem_here
+from deploykit.backends.aoti.loader import is_static
+from deploykit.backends.base.runner import Runner
+from deploykit.backends.onnxruntime.bundle import load_onnxruntime
+from deploykit.backends.onnxruntime.loader import CUDA_EP
+from deploykit.backends.tensorrt.bundle import load_tensorrt_engine
+from deploykit.backends.tensorrt.compat import engine_problem_here
+from deploykit.bundle import trust
+from deploykit.bundle.read import Bundle
+
+BACKENDS = ("onnxruntime", "tensorrt", "aoti")
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One way to run the bundle here; ``problem`` says why it cannot (then it is not timed).
+    ``batch`` holds the ranges it accepts when narrower than the bundle's (AOTI packages: a static
+    one takes only its own batch size)."""
+
+    backend: str
+    options: dict
+    label: str
+    problem: str | None = None
+    batch: list[tuple[int, int]] | None = None
+
+    def accepts(self, batch: int) -> bool:
+        return takes(self.batch, batch)
+
+
+def takes(ranges: list[tuple[int, int]] | None, batch: int) -> bool:
+    """Whether ``batch`` lies in one of ``ranges`` (None: any batch of the bundle)."""
+    return ranges is None or any(low <= batch <= high for low, high in ranges)
+
+
+def ort_keywords() -> set[str]:
+    """The keyword arguments this deploykit's ONNX Runtime loader takes (cuda_graph, prefer_nhwc arrived late)."""
+    return set(inspect.signature(load_onnxruntime).parameters)
+
+
+def has_conv(bundle: Bundle) -> bool:
+    """Whether the shipped graph (or a function it calls) has a convolution: only then may NHWC kernels help."""
+    model = onnx.load(bundle.file(bundle.model), load_external_data=False)
+    nodes = [*model.graph.node, *(n for f in model.functions for n in f.node)]
+    return any(node.op_type in ("Conv", "ConvTranspose") for node in nodes)
+
+
+def find_candidates(bundle: Bundle, device: str, trust_native: bool = False, device_id: int = 0) -> list[Candidate]:
+    """Every candidate for ``device`` ("cpu" or "cuda"), in a fixed order, skipped ones with their reason."""
+    found = _onnxruntime(bundle, device)
+    found += [_engine(bundle, entry, device, trust_native) for entry in bundle.engines]
+    return found + _aoti(bundle, device, device_id, trust_native)
+
+
+def _onnxruntime(bundle: Bundle, device: str) -> list[Candidate]:
+    if device == "cpu":
+        return [Candidate("onnxruntime", {}, "ONNX Runtime, CPU")]
+    import onnxruntime as ort
+
+    if CUDA_EP not in ort.get_available_providers():
+        return [Candidate("onnxruntime", {}, "ONNX Runtime, CUDA",
+                          f"onnxruntime has no {CUDA_EP} (pip install onnxruntime-gpu)")]
+    keywords = ort_keywords()
+    graphs = (False, True) if "cuda_graph" in keywords else (None,)
+    layouts = (False, True) if has_conv(bundle) else (None,)
+    found = []
+    for graph in graphs:
+        for nhwc in layouts:
+            problem = "this deploykit's ONNX Runtime loader has no prefer_nhwc" \
+                if nhwc and "prefer_nhwc" not in keywords else None
+            options = {key: value for key, value in (("cuda_graph", graph), ("prefer_nhwc", nhwc))
+                       if value is not None and (key in keywords or problem)}
+            found.append(Candidate("onnxruntime", options, _ort_label(options), problem))
+    return found
+
+
+def _ort_label(options: dict) -> str:
+    parts = ["CUDA graph" if options.get("cuda_graph") else "no CUDA graph"]
+    if options.get("prefer_nhwc"):
+        parts.append("NHWC")
+    return f"ONNX Runtime, CUDA, {', '.join(parts)}"
+
+
+def _engine(bundle: Bundle, entry: dict, device: str, trust_native: bool) -> Candidate:
+    problem = "TensorRT runs on the GPU only" if device != "cuda" else engine_problem_here(entry)
+    if problem is None and trust.engine_needs_consent(bundle, entry, trust_native):
+        problem = "its plugins are native code this machine's deploykit did not build (--trust-bundle runs them)"
+    return Candidate("tensorrt", {"file": entry["file"]}, f"TensorRT {entry['file']}", problem)
+
+
+def _aoti(bundle: Bundle, device: str, device_id: int, trust_native: bool) -> list[Candidate]:
+    """One candidate per package kind of this device: the static packages (one per batch size,
+    each taking only its own) and the dynamic one, with and without CUDA graphs where allowed."""
+    found = []
+    for kind in ("static", "dynamic"):
+        kept = [e for e in bundle.aoti if e["device"] == device and is_static(e) == (kind == "static")]
+        if not kept:
+            continue
+        problems = [package_problem_here(e, device_id) for e in kept]
+        runnable = [e for e, problem in zip(kept, problems) if problem is None]
+        problem = None if runnable else problems[0]
+        if any(_foreign(bundle, e) for e in runnable) and not trust_native:
+            problem = "native code this machine's deploykit did not build (--trust-bundle runs it)"
+        ranges = [(e["batch"]["min"], e["batch"]["max"]) for e in runnable or kept]
+        graphs = (False, True) if device == "cuda" and any(e.get("cuda_graph") for e in runnable) else (False,)
+        files = ", ".join(e["file"] for e in kept)
+        found += [Candidate("aoti", {"packages": kind, "cuda_graph": graph},
+                            f"AOTInductor {kind} ({files}){', CUDA graph' if graph else ''}", problem, ranges)
+                  for graph in graphs]
+    return found
+
+
+def _foreign(bundle: Bundle, entry: dict) -> bool:
+    return trust.provenance(bundle.manifest["files"][entry["file"]]["sha256"]) == trust.FOREIGN
+
+
+def accepted_batches(here: list[Candidate], backend: str, options: dict) -> list[tuple[int, int]] | None:
+    """The batch ranges a choice takes when narrower than the bundle's (AOTI packages'), from ``here``."""
+    return next((c.batch for c in here if c.backend == backend and c.options == options), None)
+
+
+def choice_problem(here: list[Candidate], backend: str, options: dict) -> str | None:
+    """Why a recorded choice cannot run here (None: it can), by the same rules as the candidates
+    (``here``: :func:`find_candidates` on this machine)."""
+    for candidate in here:
+        if candidate.backend == backend and candidate.options == options:
+            return candidate.problem
+    if backend == "onnxruntime" and set(options) <= ort_keywords():
+        return None  # an option set the loader takes, though not one the candidates list (say on another provider)
+    return f"{backend} with {options or 'no options'} is not among what can run here"
+
+
+def open_runner(bundle: Bundle, backend: str, options: dict, device: str, device_id: int = 0, *,
+                trust_native: bool = False, notes: list[str] | None = None, allow_unvalidated: bool = False,
+                verify: bool = True, **ort_options) -> Runner:
+    """A runner for one candidate; ``ort_options`` (threads, stream, ...) go to ONNX Runtime and
+    override the candidate's own (a user's cuda_graph=False wins over the tuned choice)."""
+    if backend == "onnxruntime":
+        return load_onnxruntime(bundle, device, device_id, verify=verify, notes=notes, trust_native=trust_native,
+                                allow_unvalidated=allow_unvalidated, **{**options, **ort_options})
+    if backend == "tensorrt":
+        entry = next(e for e in bundle.engines if e["file"] == options["file"])
+        return load_tensorrt_engine(bundle, entry, device_id, verify=verify, notes=notes, trust_native=trust_native)
+    return load_aoti(bundle, runnable_entry(bundle, device, device_id), device_id, verify=verify,
+                     trust_native=trust_native, cuda_graph=options.get("cuda_graph"), notes=notes,
+                     allow_unvalidated=allow_unvalidated, packages=options["packages"])

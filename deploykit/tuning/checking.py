@@ -1,0 +1,87 @@
+"""Each candidate's outputs against a reference, by validation/compare.py's rules and tolerances.
+
+At conversion the reference is the in-memory PyTorch model with the conversion's tolerances. For
+``deploykit tune BUNDLE`` it is the source model when it loads, else the bundle's own validated
+graph on ONNX Runtime's CPU provider (the fp32 reference graph of a reduced-precision bundle),
+judged with the bundle precision's default tolerances. A candidate is compared with the same
+reference run on the same inputs as every other one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from deploykit.backends.onnxruntime.runner import OnnxRuntimeRunner
+from deploykit.bundle.read import Bundle
+from deploykit.validation.compare import Tolerance, parse_tolerances
+from deploykit.validation.validate import validate
+
+
+@dataclasses.dataclass
+class Reference:
+    """What candidates are compared with: a runner, its label for the table, the tolerances."""
+
+    runner: object
+    label: str
+    tolerances: dict[str, Tolerance]
+
+
+class Remembered:
+    """A reference run once per feed set (keyed by the feed set's identity): validating candidates
+    one by one compares them all with the same run, and the reference does not run again each time."""
+
+    def __init__(self, runner):
+        self.runner, self.name, self._runs = runner, runner.name, {}
+
+    def run(self, feeds: dict) -> dict:
+        key = id(feeds)
+        if key not in self._runs:
+            self._runs[key] = (feeds, self.runner.run(feeds))  # the feeds are kept: their id stays theirs
+        return self._runs[key][1]
+
+    def in_float64(self):
+        return self.runner.in_float64()
+
+
+def source_reference(loaded, bundle: Bundle) -> Reference:
+    """The source PyTorch model (fp32, CPU), its outputs named as the bundle's."""
+    from deploykit.backends.torch.runner import TorchRunner
+
+    runner = TorchRunner(loaded, [spec["name"] for spec in bundle.inputs])
+    runner.output_names = [spec["name"] for spec in bundle.outputs]
+    return Reference(Remembered(runner), "source PyTorch model (fp32, CPU)", default_tolerances(bundle))
+
+
+def graph_reference(bundle: Bundle) -> Reference:
+    """The bundle's validated graph on ONNX Runtime's CPU provider, its ONNX function fallbacks for
+    our ops; a reduced-precision bundle's fp32 reference graph."""
+    name = bundle.manifest.get("reference_model") or bundle.model
+    runner = CastingRunner(OnnxRuntimeRunner.from_model(bundle.file(name)))
+    return Reference(Remembered(runner), f"{name} on ONNX Runtime, CPU (no source model)", default_tolerances(bundle))
+
+
+def default_tolerances(bundle: Bundle) -> dict[str, Tolerance]:
+    return parse_tolerances([], bundle.precision, [spec["name"] for spec in bundle.outputs])
+
+
+class CastingRunner:
+    """A runner whose float inputs are cast to the types its graph declares: the fp32 reference
+    graph takes fp32 where the bundle may take fp16."""
+
+    def __init__(self, runner: OnnxRuntimeRunner):
+        self.runner, self.name = runner, runner.name
+        self.dtypes = {spec["name"]: np.dtype(spec["dtype"]) for spec in runner.inputs}
+
+    def run(self, feeds: dict) -> dict:
+        return self.runner.run({name: array.astype(self.dtypes[name]) if array.dtype.kind == "f" else array
+                                for name, array in feeds.items()})
+
+
+def check(reference: Reference, runner, label: str, feeds: dict) -> dict:
+    """``passed``, ``max_abs`` (the largest over outputs) and ``failures`` of one candidate on one feed set."""
+    [result] = validate(reference.runner, {label: runner}, [feeds], reference.tolerances)
+    outputs = result.runs[0].outputs
+    worst = max((o.metrics.get("max_abs", float("inf")) for o in outputs), default=0.0)
+    return {"passed": result.passed, "max_abs": worst, "failures": result.failures()[:3]}

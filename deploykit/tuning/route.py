@@ -1,0 +1,105 @@
+"""The runner ``deploykit.load(backend="auto")`` returns for a bundle tuned on a machine like this one.
+
+Each call goes by its batch size to the choice recorded for it: a tuned batch size exactly; any
+other size to the choice of the nearest tuned size above it, else the nearest below (the one
+above was timed on more work than this call has, so its backend is not one that only wins on
+small batches), passing over a choice that does not take that size (a static AOTI package). All
+sub-runners are opened at load, one per distinct choice. A choice that cannot run here (a torch
+other than the package's, an engine this GPU cannot run) gives way to ONNX Runtime with a note.
+"""
+
+from __future__ import annotations
+
+import json
+
+from deploykit.backends.base.feeds import collect_feeds
+from deploykit.backends.base.runner import Runner
+from deploykit.bundle.read import Bundle
+from deploykit.tuning import record
+from deploykit.tuning.candidates import accepted_batches, choice_problem, find_candidates, open_runner, takes
+
+
+class Route:
+    """A tuned batch size, the runner of its choice, and the sizes that runner takes (None: the bundle's)."""
+
+    def __init__(self, batch: int, runner: Runner, accepts: list[tuple[int, int]] | None, label: str):
+        self.batch, self.runner, self.accepts, self.label = batch, runner, accepts, label
+
+    def takes(self, batch: int) -> bool:
+        return takes(self.accepts, batch)
+
+
+class TunedRunner(Runner):
+    """Routes each call to the runner chosen for its batch size (see the module's docstring)."""
+
+    backend = "tuned"
+
+    def __init__(self, bundle: Bundle, device: str, routes: list[Route], fallback: Runner | None, notes: list[str]):
+        first = routes[0].runner
+        super().__init__(device, first.inputs, first.outputs, notes=notes, bundle=bundle, name=f"tuned-{device}")
+        self.routes = sorted(routes, key=lambda route: route.batch)
+        self.fallback = fallback
+        for runner in self.runners():
+            self.warnings += [note for note in runner.warnings if note not in self.warnings]
+
+    def runners(self) -> list[Runner]:
+        """Each distinct sub-runner once."""
+        found = [route.runner for route in self.routes] + ([self.fallback] if self.fallback else [])
+        return list({id(runner): runner for runner in found}.values())
+
+    def runner_for(self, batch: int) -> Runner:
+        exact = [route for route in self.routes if route.batch == batch and route.takes(batch)]
+        above = [route for route in self.routes if route.batch > batch and route.takes(batch)]
+        below = [route for route in reversed(self.routes) if route.batch < batch and route.takes(batch)]
+        chosen = (exact or above or below or [None])[0]
+        return chosen.runner if chosen is not None else self.fallback
+
+    def run(self, feeds=None, /, **named) -> dict:
+        shape = next(iter(collect_feeds(feeds, named, self.inputs).values())).shape  # checked, not copied
+        return self.runner_for(int(shape[0]) if shape else 1).run(feeds, **named)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "routes": {route.batch: route.label for route in self.routes}}
+
+    def close(self) -> None:
+        for runner in self.runners():
+            runner.close()
+
+
+def load_tuned(bundle: Bundle, device: str, device_id: int, notes: list[str], *, trust_native: bool = False,
+               verify: bool = True, allow_unvalidated: bool = False, op_library: bool = True,
+               **ort_options) -> TunedRunner | None:
+    """The tuned runner, or None (with the reason in ``notes``) where the table is not for this machine."""
+    tuning = bundle.manifest["tuning"]
+    problem = record.mismatch(tuning, record.machine(device, device_id))
+    if problem is None and not tuning.get("choices"):
+        problem = "no candidate passed when it was tuned"
+    if problem:
+        notes.append(f"tuning not used: {problem}")
+        return None
+    opened: dict[str, Runner] = {}
+
+    def runner(backend: str, options: dict) -> Runner:
+        key = json.dumps([backend, options], sort_keys=True)
+        if key not in opened:
+            opened[key] = open_runner(bundle, backend, options, device, device_id, trust_native=trust_native,
+                                      notes=list(notes), verify=verify, allow_unvalidated=allow_unvalidated,
+                                      **({**ort_options, "op_library": op_library} if backend == "onnxruntime" else {}))
+        return opened[key]
+
+    routes, here = [], find_candidates(bundle, device, trust_native, device_id)
+    for choice in tuning["choices"]:
+        backend, options = choice["backend"], choice["options"]
+        problem = choice_problem(here, backend, options)
+        if problem is None and ort_options and backend != "onnxruntime":
+            problem = f"{', '.join(ort_options)} apply to ONNX Runtime only"
+        if problem:
+            notes.append(f"batch {choice['batch']}: the tuned {backend} does not run here ({problem}): "
+                         "ONNX Runtime instead")
+            backend, options = "onnxruntime", {}
+        label = f"{backend} {json.dumps(options, sort_keys=True)}" if options else backend
+        routes.append(Route(choice["batch"], runner(backend, options), accepted_batches(here, backend, options),
+                            label))
+    fallback = runner("onnxruntime", {}) if any(route.accepts for route in routes) else None
+    notes.append("tuned: " + ", ".join(f"batch {route.batch} -> {route.label}" for route in routes))
+    return TunedRunner(bundle, device, routes, fallback, notes)
