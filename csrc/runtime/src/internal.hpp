@@ -14,9 +14,11 @@ bool file_exists(const std::string& path);
 std::vector<unsigned char> read_file(const std::string& path);
 void* open_library(const std::vector<std::string>& candidates, const std::string& what, std::string* opened);
 void check_input(const TensorInfo& info, const Tensor& tensor);
+bool dtype_of_name(const std::string& name, DType* dtype);  // numpy's name ("float32") to DType
 
 class Bundle;
 std::unique_ptr<Runner> open_onnxruntime(const Bundle& bundle, const Options& options);
 std::unique_ptr<Runner> open_tensorrt(const Bundle& bundle, const Options& options);
+std::unique_ptr<Runner> open_aoti(const Bundle& bundle, const Options& options);
 
 }  // namespace deploykit::detail

@@ -1,0 +1,14 @@
+// Built instead of aoti_runner.cpp when the runtime is configured without libtorch.
+#include "internal.hpp"
+
+namespace deploykit::detail {
+
+std::unique_ptr<Runner> open_aoti(const Bundle&, const Options&) {
+  fail(ErrorKind::Environment, "deploykit's C++ runtime was built without libtorch, so it cannot run AOTInductor "
+                               "packages: configure csrc/runtime with -DDEPLOYKIT_WITH_LIBTORCH=ON and "
+                               "-DCMAKE_PREFIX_PATH=\"$(python -c 'import torch; print(torch.utils.cmake_prefix_path)')\"");
+}
+
+}  // namespace deploykit::detail
+
+bool deploykit::aoti_compiled_in() { return false; }
