@@ -56,21 +56,30 @@ std::string cpu_isa_problem(const std::string& isa) {
   return "";
 }
 
-// The compute capability ("9.0") of GPU `device` from the CUDA driver, "" when the driver cannot say.
-std::string compute_capability(int device) {
+// GPU `device` as the CUDA driver (dlopen'ed) names it: its name and compute capability ("9.0"),
+// both "" when the driver cannot say.
+struct Gpu {
+  std::string name, capability;
+};
+
+Gpu gpu_of(int device) {
   void* driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (!driver) return "";
+  if (!driver) return {};
   using Init = int (*)(unsigned);
   using Get = int (*)(int*, int);
   using Attribute = int (*)(int*, int, int);
+  using Name = int (*)(char*, int, int);
   auto init = reinterpret_cast<Init>(dlsym(driver, "cuInit"));
   auto get = reinterpret_cast<Get>(dlsym(driver, "cuDeviceGet"));
   auto attribute = reinterpret_cast<Attribute>(dlsym(driver, "cuDeviceGetAttribute"));
+  auto name = reinterpret_cast<Name>(dlsym(driver, "cuDeviceGetName"));
   constexpr int kMajor = 75, kMinor = 76;  // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / _MINOR
   int handle = 0, major = 0, minor = 0;
-  bool known = init && get && attribute && init(0) == 0 && get(&handle, device) == 0 &&
-               attribute(&major, kMajor, handle) == 0 && attribute(&minor, kMinor, handle) == 0;
-  return known ? std::to_string(major) + "." + std::to_string(minor) : "";
+  char text[256] = {};
+  bool known = init && get && attribute && name && init(0) == 0 && get(&handle, device) == 0 &&
+               attribute(&major, kMajor, handle) == 0 && attribute(&minor, kMinor, handle) == 0 &&
+               name(text, sizeof text - 1, handle) == 0;
+  return known ? Gpu{text, std::to_string(major) + "." + std::to_string(minor)} : Gpu{};
 }
 
 std::string cuda_problem(const AotiEntry& entry, int device) {
@@ -78,7 +87,7 @@ std::string cuda_problem(const AotiEntry& entry, int device) {
     return "it is a cuda package and this libtorch sees no GPU " + std::to_string(device) +
            (torch::cuda::is_available() ? "" : " (a CPU-only libtorch, or no GPU or driver here)");
   }
-  std::string here = compute_capability(device);
+  std::string here = gpu_of(device).capability;
   if (!entry.cuda_arch.empty() && here != entry.cuda_arch) {
     return "it was compiled for compute capability " + entry.cuda_arch + " and GPU " + std::to_string(device) +
            " has " + (here.empty() ? "one the CUDA driver does not report" : here);
@@ -105,6 +114,18 @@ std::string aoti_problem(const AotiEntry& entry, int device) {
   if (entry.device == "cuda") return cuda_problem(entry, device);
   if (entry.device != "cpu") return "its device '" + entry.device + "' is neither cpu nor cuda";
   return entry.cpu_isa.empty() ? "" : cpu_isa_problem(entry.cpu_isa);
+}
+
+std::string tuning_problem(const Tuning& tuning, int device) {
+  if (tuning.device == "cpu") return "";
+  if (tuning.device != "cuda") return "it was tuned on '" + tuning.device + "'";
+  if (!libtorch_sees_gpu(device)) return "it was tuned on a GPU and this libtorch sees no GPU " + std::to_string(device);
+  Gpu here = gpu_of(device);
+  if (here.name != tuning.gpu || here.capability != tuning.cuda_arch) {
+    return "it was tuned on " + tuning.gpu + " (" + tuning.cuda_arch + "), this is " +
+           (here.name.empty() ? std::string("a GPU the CUDA driver does not describe") : here.name + " (" + here.capability + ")");
+  }
+  return "";
 }
 
 }  // namespace deploykit::detail

@@ -77,16 +77,13 @@ std::string batch_text(const AotiEntry& entry) {
                            : std::to_string(entry.batch_min) + ".." + std::to_string(entry.batch_max);
 }
 
-// "cuda" when the bundle has cuda packages and libtorch sees the GPU, else "cpu"; or the caller's choice.
-std::string choose_device(const std::vector<AotiEntry>& packages, const Options& options) {
-  if (!options.aoti_device.empty()) {
-    if (options.aoti_device != "cpu" && options.aoti_device != "cuda") {
-      fail(ErrorKind::BadInput, "--aoti-device " + options.aoti_device + ": use cpu or cuda");
-    }
-    return options.aoti_device;
+// The devices to look for packages of, best first: the caller's choice, else cuda then cpu.
+std::vector<std::string> devices_to_try(const Options& options) {
+  if (options.aoti_device.empty()) return {"cuda", "cpu"};
+  if (options.aoti_device != "cpu" && options.aoti_device != "cuda") {
+    fail(ErrorKind::BadInput, "--aoti-device " + options.aoti_device + ": use cpu or cuda");
   }
-  bool cuda = std::any_of(packages.begin(), packages.end(), [](const AotiEntry& entry) { return entry.device == "cuda"; });
-  return cuda && libtorch_sees_gpu(options.device) ? "cuda" : "cpu";
+  return {options.aoti_device};
 }
 
 class AotiRunner : public Runner {
@@ -98,30 +95,34 @@ class AotiRunner : public Runner {
     if (listed.empty()) {
       fail(ErrorKind::BadInput, bundle.directory() + " has no AOTInductor package: convert with --backend aoti");
     }
-    device_ = choose_device(listed, options);
+    bool named = std::any_of(listed.begin(), listed.end(), [&](const AotiEntry& entry) { return entry.file == options.aoti_package; });
+    if (!options.aoti_package.empty() && !named) {
+      fail(ErrorKind::BadInput, "--aoti-package " + options.aoti_package + ": the manifest lists no such AOTInductor package");
+    }
     std::string first_problem;
-    for (const auto& entry : listed) {
-      if (entry.device != device_) continue;
-      if (!options.trust_native) {
-        refuse_native(bundle.directory() + "/" + entry.file,
-                      " (an AOTInductor package is compiled code), or run the bundle with --backend onnxruntime");
+    for (const auto& device : devices_to_try(options)) {
+      for (const auto& entry : listed) {
+        if (entry.device != device || (!options.aoti_package.empty() && entry.file != options.aoti_package)) continue;
+        std::string problem = aoti_problem(entry, device_index_);
+        if (problem.empty()) packages_.push_back(entry);
+        else skipped_ += "; left out " + entry.file + ": " + problem;
+        if (!problem.empty() && first_problem.empty()) first_problem = entry.file + " cannot run here: " + problem;
       }
-      std::string problem = aoti_problem(entry, device_index_);
-      if (problem.empty()) {
-        packages_.push_back(entry);
-      } else {
-        skipped_ += "; skipped " + entry.file + ": " + problem;
-        if (first_problem.empty()) first_problem = bundle.directory() + "/" + entry.file + " cannot run here: " + problem;
-      }
+      device_ = device;
+      if (!packages_.empty()) break;
     }
     if (packages_.empty() && first_problem.empty()) {
-      fail(options.aoti_device.empty() ? ErrorKind::Environment : ErrorKind::BadInput,
-           bundle.directory() + " has no AOTInductor package for " + device_ +
-               (options.aoti_device.empty() ? " and libtorch sees no GPU here for its cuda ones" : "") +
-               ": convert on this device with --backend aoti, or run --backend onnxruntime");
+      fail(ErrorKind::BadInput, bundle.directory() + " has no AOTInductor package for " + device_ +
+                                    ": convert with --backend aoti on a " + device_ + " machine, or pass --aoti-device " +
+                                    (device_ == "cpu" ? "cuda" : "cpu"));
     }
     if (packages_.empty()) {
-      fail(ErrorKind::Environment, first_problem + "; convert again here with --backend aoti, or run --backend onnxruntime");
+      fail(ErrorKind::Environment, "cannot run " + bundle.directory() + "'s AOTInductor packages here: " + first_problem +
+                                       "; convert with --backend aoti here, or run --backend onnxruntime");
+    }
+    if (!options.trust_native) {
+      refuse_native(bundle.directory() + "/" + packages_.front().file,
+                    " (an AOTInductor package is compiled code), or run the bundle with --backend onnxruntime");
     }
   }
 

@@ -193,6 +193,30 @@ std::vector<AotiEntry> Bundle::aoti_packages() const {
   return packages;
 }
 
+bool Bundle::has_tuning() const { return manifest_.contains("tuning") && !manifest_["tuning"].is_null(); }
+
+Tuning Bundle::tuning() const {
+  const json& table = member(directory_, manifest_, "tuning", json::value_t::object, "");
+  auto text = [&](const json& object, const char* key) {
+    auto found = object.find(key);
+    return found != object.end() && found->is_string() ? found->get<std::string>() : std::string();
+  };
+  Tuning tuning{member(directory_, table, "device", json::value_t::string, "tuning.").get<std::string>(),
+                text(table, "gpu"), text(table, "cuda_arch"), {}};
+  const json& choices = member(directory_, table, "choices", json::value_t::array, "tuning.");
+  for (std::size_t i = 0; i < choices.size(); ++i) {
+    std::string where = "tuning.choices[" + std::to_string(i) + "].";
+    if (!choices[i].is_object() || !choices[i].contains("batch") || !choices[i]["batch"].is_number_integer()) {
+      bad_manifest(directory_, "'" + where + "batch' must be a whole number");
+    }
+    std::string backend = member(directory_, choices[i], "backend", json::value_t::string, where).get<std::string>();
+    std::string file = text(choices[i].value("options", json::object()), "file");
+    if (backend == "aoti" && file.empty()) bad_manifest(directory_, "'" + where + "options.file' must name the package");
+    tuning.choices.push_back({choices[i]["batch"].get<int64_t>(), backend, file});
+  }
+  return tuning;
+}
+
 std::vector<TensorInfo> Bundle::tensors(const std::string& key) const {
   auto list = manifest_.find(key);
   if (list == manifest_.end() || !list->is_array()) bad_manifest(directory_, "'" + key + "' must be a list");

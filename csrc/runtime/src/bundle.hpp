@@ -26,6 +26,17 @@ struct AotiEntry {
   bool takes(int64_t batch) const { return batch_min <= batch && batch <= batch_max; }
 };
 
+// The manifest's tuning table (written by deploykit tune): the machine it was timed on and, per batch
+// size, the backend that won there (file: the AOTInductor package of an aoti choice).
+struct TunedChoice {
+  int64_t batch;
+  std::string backend, file;
+};
+struct Tuning {
+  std::string device, gpu, cuda_arch;
+  std::vector<TunedChoice> choices;
+};
+
 class Bundle {
  public:
   // Reads and checks manifest.json (format tag, format_version, the keys the runners use).
@@ -40,6 +51,8 @@ class Bundle {
   std::vector<std::string> op_libraries(const std::string& runtime) const;
   std::vector<EngineEntry> engines() const;
   std::vector<AotiEntry> aoti_packages() const;
+  bool has_tuning() const;
+  Tuning tuning() const;  // has_tuning() first
   // The model's inputs and outputs as the manifest declares them (a named dimension is -1).
   std::vector<TensorInfo> tensors(const std::string& key) const;
   // Whether `path` resolves inside the bundle directory; `relative` then holds its name there.

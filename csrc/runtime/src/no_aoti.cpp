@@ -9,6 +9,10 @@ std::unique_ptr<Runner> open_aoti(const Bundle&, const Options&) {
                                "-DCMAKE_PREFIX_PATH=\"$(python -c 'import torch; print(torch.utils.cmake_prefix_path)')\"");
 }
 
+std::string tuning_problem(const Tuning&, int) {
+  return "this deploykit-run was built without libtorch, so it runs no AOTInductor package";
+}
+
 }  // namespace deploykit::detail
 
 bool deploykit::aoti_compiled_in() { return false; }

@@ -52,7 +52,10 @@ Tensor read_npy(const std::string& path);
 void write_npy(const std::string& path, const Tensor& tensor);
 
 struct Options {
-  std::string backend = "onnxruntime";  // or "tensorrt", or "aoti" (a build with libtorch)
+  // "auto": ONNX Runtime, except for the batch sizes the manifest's tuning table (deploykit tune) gives
+  // to an AOTInductor package, on a machine like the one it was tuned on; or "onnxruntime",
+  // "tensorrt", "aoti" (a build with libtorch).
+  std::string backend = "auto";
   // Native code from the bundle (its op library, an engine's plugin code) is loaded only when
   // trust_native is set, or is replaced by the caller's own library (op_library_path, plugin_libraries).
   // Every bundle file opened is checked first: inside the bundle and matching its manifest sha256.
@@ -75,6 +78,7 @@ struct Options {
   // AOTInductor: the bundle's packages for this device, "cpu" or "cuda" ("" = cuda when the bundle has
   // cuda packages and libtorch sees a GPU, else cpu); the GPU is `device`.
   std::string aoti_device;
+  std::string aoti_package;  // run only this package the manifest lists ("" = each call's static, else dynamic one)
 };
 
 // What a bundle's model takes and returns.
