@@ -2,8 +2,8 @@
 
 For whoever receives a bundle: the inputs and outputs to feed and expect (with the dynamic
 batch range), the precision, our ops and the library they need, the engines and what they were
-built for, the passes, the validation it passed at conversion, and every file against its
-sha256, and the native files it carries with where they came from as far as this machine can
+built for, the AOTInductor packages and what they need (torch, GPU or CPU), the passes, the
+validation it passed at conversion, and every file against its sha256, and the native files it carries with where they came from as far as this machine can
 tell (whether ``--trust-bundle`` is needed). Nothing is loaded or run, so it works on any machine.
 """
 
@@ -34,6 +34,9 @@ def describe_bundle(path: Path) -> dict:
         "op_library": (bundle.op_library or {}).get("file"),
         "engines": [{key: engine.get(key) for key in ("file", "flavour", "version", "targets")}
                     for engine in bundle.engines],
+        "aoti": [{key: entry.get(key) for key in ("file", "device", "torch", "cuda_arch", "gpu", "cpu_isa", "precision",
+                                                  "cuda_graph", "validated")} | {"batch": _range(entry["batch"])}
+                 for entry in bundle.aoti],
         "passes": {p["name"]: {k: v for k, v in p["changes"].items() if v} for p in manifest.get("passes", [])},
         "validation": manifest.get("validation", {}),
         "versions": manifest.get("versions", {}),
@@ -53,6 +56,10 @@ def _batch_symbols(inputs: list[dict]) -> dict[str, str]:
         if batch and spec["shape"] and isinstance(spec["shape"][0], str):
             symbols[spec["shape"][0]] = f"{batch['min']}..{batch['max']}"
     return symbols
+
+
+def _range(batch: dict) -> str:
+    return str(batch["min"]) if batch["min"] == batch["max"] else f"{batch['min']}..{batch['max']}"
 
 
 def _tensor(spec: dict, batch: dict[str, str]) -> dict:

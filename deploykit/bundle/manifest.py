@@ -35,11 +35,12 @@ def build_manifest(state: ConversionState) -> dict:
                       state.exported.opset),  # bf16 graphs move to opset 22
         "ir_version": model.ir_version,
         "exporter": state.exported.exporter,
-        "inputs": [_tensor(value, options.batch.to_json() if options.batch else None)
+        "inputs": [tensor_spec(value, options.batch.to_json() if options.batch else None)
                    for value in model.graph.input],
-        "outputs": [_tensor(value) for value in model.graph.output],
+        "outputs": [tensor_spec(value) for value in model.graph.output],
         "passes": [s.to_json() for s in state.shipped_pass_stats],
         "engines": [state.engine.to_json()] if state.engine else [],
+        "aoti": state.aoti.entries(state.validations) if state.aoti else [],
         "custom_op_libraries": [
             {"file": state.library.path.name, "runtime": "onnxruntime", "register": "RegisterCustomOps",
              "ops": custom_op_types(model)}
@@ -51,7 +52,8 @@ def build_manifest(state: ConversionState) -> dict:
 
 
 def native_files(state: ConversionState) -> list[dict]:
-    """The native code the bundle carries (the op library, an engine with embedded plugins) and its build."""
+    """The native code the bundle carries (the op library, an engine with embedded plugins, AOTInductor
+    packages) and its build."""
     version = state.versions.get("deploykit", "unknown")
     entries = []
     if state.library.path:
@@ -60,10 +62,13 @@ def native_files(state: ConversionState) -> list[dict]:
     if state.engine and state.engine.plugin_sha256:
         entries.append(trust.manifest_entry(state.engine.file_name, trust.ENGINE,
                                             hashlib.sha256(state.engine.build.engine).hexdigest(), None, version))
+    for package in state.aoti.packages if state.aoti else []:
+        entries.append(trust.manifest_entry(package.entry["file"], trust.AOTI_PACKAGE, sha256_of(package.path), None,
+                                            version))
     return entries
 
 
-def _tensor(value: onnx.ValueInfoProto, batch: dict | None = None) -> dict:
+def tensor_spec(value: onnx.ValueInfoProto, batch: dict | None = None) -> dict:
     """Name, dtype and shape of a graph input or output; inputs say their dynamic batch range."""
     tensor = value.type.tensor_type
     entry = {

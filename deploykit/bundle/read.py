@@ -46,6 +46,11 @@ class Bundle:
         return self.manifest.get("engines", [])
 
     @property
+    def aoti(self) -> list[dict]:
+        """The AOTInductor packages (the manifest's ``aoti`` entries)."""
+        return self.manifest.get("aoti", [])
+
+    @property
     def op_library(self) -> dict | None:
         return next((e for e in self.manifest.get("custom_op_libraries", []) if e["runtime"] == "onnxruntime"), None)
 

@@ -85,6 +85,22 @@ class Engine(Part):
     validated: bool = False
 
 
+class AotiPackage(Part):
+    """An AOTInductor package (a zip holding a compiled .so): it loads only on the torch that
+    compiled it, on a GPU of its compute capability (cuda) or a CPU with its vector ISA (cpu)."""
+
+    file: FileName
+    device: Literal["cpu", "cuda"]
+    torch: str
+    cuda_arch: str | None = None
+    gpu: str | None = None
+    cpu_isa: str | None = None
+    batch: BatchRange
+    precision: Literal["fp32", "fp16", "bf16"]
+    cuda_graph: bool = False
+    validated: bool = False
+
+
 class OpLibrary(Part):
     file: FileName
     runtime: str
@@ -124,6 +140,7 @@ class Manifest(Header):
     outputs: list[Tensor]
     passes: list[PassStats] = []
     engines: list[Engine] = []
+    aoti: list[AotiPackage] = []
     custom_op_libraries: list[OpLibrary] = []
     versions: dict[str, str] = {}
     validation: Validation = Validation(passed=False)

@@ -2,8 +2,8 @@
 
 A bundle's sha256 values live in its own manifest, so they prove a file is unchanged since the
 manifest was written, not who made it. Native code (the ONNX Runtime op library, a TensorRT
-engine with embedded plugins) runs only when it is byte-identical to what this machine's
-deploykit built or wrote into a bundle, or when the user consents (``trust_native=True``,
+engine with embedded plugins, an AOTInductor package) runs only when it is byte-identical to
+what this machine's deploykit built or wrote into a bundle, or when the user consents (``trust_native=True``,
 ``--trust-bundle``). A foreign op library is replaced by this machine's build where deploykit
 can build one.
 """
@@ -24,7 +24,7 @@ WRITTEN_RECORD = "native-written.txt"
 WRITTEN_HERE = "written by this machine's deploykit"
 SAME_AS_BUILD = "same as this machine's build"
 FOREIGN = "foreign"
-OP_LIBRARY, ENGINE = "onnxruntime-op-library", "tensorrt-engine-with-plugins"
+OP_LIBRARY, ENGINE, AOTI_PACKAGE = "onnxruntime-op-library", "tensorrt-engine-with-plugins", "aoti-package"
 
 
 class UntrustedNativeCode(BadInputError):
@@ -76,13 +76,14 @@ def provenance(digest: str) -> str:
 
 
 def native_files(bundle: Bundle) -> list[NativeFile]:
-    """The bundle's op library and engines with embedded plugins, each with its provenance here.
+    """The bundle's op library, engines with embedded plugins and AOTInductor packages, each with its provenance here.
 
     Provenance is judged on the manifest's sha256, so a file changed since is caught by
     ``Bundle.file`` when it is loaded (and by inspect's file check), not here.
     """
     listed = [(bundle.op_library["file"], OP_LIBRARY)] if bundle.op_library else []
     listed += [(entry["file"], ENGINE) for entry in bundle.engines if has_plugins(entry)]
+    listed += [(entry["file"], AOTI_PACKAGE) for entry in bundle.aoti]
     files = bundle.manifest.get("files", {})
     return [NativeFile(name, kind, provenance(files.get(name, {}).get("sha256", ""))) for name, kind in listed]
 
@@ -130,6 +131,16 @@ def engine_host_code_allowed(bundle: Bundle, entry: dict, trust_native: bool = F
     if not engine_needs_consent(bundle, entry, trust_native):
         return has_plugins(entry)
     raise refusal(entry["file"], bundle, ", or run it on ONNX Runtime (backend='onnxruntime', --backend onnxruntime)")
+
+
+def aoti_package(bundle: Bundle, entry: dict, verify: bool = True, trust_native: bool = False) -> Path:
+    """The path of an AOTInductor package (``entry`` of ``bundle.aoti``) that may be loaded: its .so runs
+    in this process, so a package this machine's deploykit did not write needs consent (UntrustedNativeCode)."""
+    path = bundle.file(entry["file"], verify)
+    digest = bundle.manifest["files"][entry["file"]]["sha256"] if verify else sha256_of(path)
+    if not trust_native and provenance(digest) == FOREIGN:
+        raise refusal(entry["file"], bundle, ", or run the bundle's ONNX graph instead (backend='onnxruntime')")
+    return path
 
 
 def manifest_entry(name: str, kind: str, digest: str, built_from: Path | None, deploykit_version: str) -> dict:

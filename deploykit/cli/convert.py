@@ -40,15 +40,19 @@ _LISTED_FP32_NODES = 8
 @click.option("--auto-fix", is_flag=True, help="If validation fails, pin the nodes that diverge to fp32 and retry.")
 @click.option("--no-custom-ops", is_flag=True,
               help="Write plain ONNX: no deploykit::FusedBatchNorm / MatMulRelu nodes.")
-@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "all"]), default="onnxruntime",
-              show_default=True, help="tensorrt/all also build a TensorRT engine (TensorRT or TensorRT-RTX).")
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "aoti", "all"]), default="onnxruntime",
+              show_default=True, help="tensorrt/all also build a TensorRT engine (TensorRT or TensorRT-RTX); "
+              "aoti/all also compile AOTInductor packages (all: on a GPU only; docs/aoti.md).")
+@click.option("--aoti-shapes", type=click.Choice(["dynamic", "static", "both"]), default="both", show_default=True,
+              help="AOTInductor packages: one over the --batch range, one per validated batch size, or both.")
 @click.option("--trt-targets", metavar="CC,CC", help="TensorRT-RTX compute capabilities, e.g. 8.6,8.9,12.0.")
 @click.option("--trt-workspace", type=click.IntRange(min=1), metavar="MIB", help="TensorRT workspace limit in MiB.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle.")
 @json_option("Print the report as JSON on stdout.")
 @verbose_option("Show tracebacks and exporter logs.")
 def convert(model, output, inputs, batch, factory, trust_pickle, exporter, opset, feeds_path, seed, tolerances,
-            precision, io_precision, auto_fix, no_custom_ops, backend, trt_targets, trt_workspace, force, as_json, verbose):
+            precision, io_precision, auto_fix, no_custom_ops, backend, aoti_shapes, trt_targets, trt_workspace, force,
+            as_json, verbose):
     """Convert MODEL (TorchScript, .pt2, state_dict with --factory) into a validated bundle."""
     from deploykit.api import ConvertOptions, convert as run_convert  # heavy imports after parsing
     from deploykit.specs import BatchRange, InputSpec
@@ -58,7 +62,7 @@ def convert(model, output, inputs, batch, factory, trust_pickle, exporter, opset
         batch=parse_with(BatchRange.parse, batch, "--batch") if batch else None,
         factory=factory, trust_pickle=trust_pickle, exporter=exporter, opset=opset,
         feeds_path=feeds_path, seed=seed, tolerances=list(tolerances), force=force,
-        custom_ops=not no_custom_ops, backend=backend,
+        custom_ops=not no_custom_ops, backend=backend, aoti_shapes=aoti_shapes,
         precision=precision, io_precision=io_precision, auto_fix=auto_fix,
         trt_targets=[t.strip() for t in trt_targets.split(",")] if trt_targets else None,
         trt_workspace_bytes=trt_workspace << 20 if trt_workspace else None,
@@ -90,6 +94,9 @@ def _print_summary(result) -> None:
             f"{', '.join(engine['targets'])}, {engine['plugin_layers']} deploykit plugin layers); {engine['note']}",
             soft_wrap=True,
         )
+    aoti = report.get("aoti")
+    if aoti:
+        console.print(f"AOTInductor: {aoti['note']}", soft_wrap=True)
     for stats in report["passes"]:
         changes = ", ".join(f"{k} {v}" for k, v in stats["changes"].items() if v) or "no change"
         console.print(f"  {stats['name']}: {changes}")

@@ -12,7 +12,8 @@ from deploykit.cli._common import BUNDLE, console, echo_json, exit_with_verdict,
 @json_option("Print the summary as JSON.")
 @verbose_option()
 def inspect(bundle, as_json, verbose):
-    """Show what BUNDLE holds (inputs, outputs, precision, ops, engines, validation) and check its files.
+    """Show what BUNDLE holds (inputs, outputs, precision, ops, engines, AOTInductor packages, validation) and
+    check its files.
 
     Reads manifest.json only: nothing is loaded or run. Exit code 1 when a file is missing or
     changed since conversion.
@@ -46,6 +47,13 @@ def _print_info(info: dict) -> None:
     for engine in info["engines"]:
         console.print(f"engine: {engine['file']} ({engine['flavour']} {engine['version']}, "
                       f"targets {', '.join(engine['targets'] or [])})", soft_wrap=True)
+    for package in info["aoti"]:
+        target = (f"compute capability {package['cuda_arch']} ({package['gpu']})" if package["device"] == "cuda"
+                  else f"CPU ISA {package['cpu_isa'] or 'any'}")
+        graph = ", CUDA graph" if package["cuda_graph"] else ""
+        console.print(f"aoti: {package['file']} ({package['device']}, batch {package['batch']}, {package['precision']}, "
+                      f"torch {package['torch']}, {target}{graph}; "
+                      f"{'validated' if package['validated'] else 'NOT validated'})", soft_wrap=True)
     changed = [f"{name} ({', '.join(f'{k} {v}' for k, v in changes.items())})"
                for name, changes in info["passes"].items() if changes]
     console.print(f"passes: {'; '.join(changed) or 'none changed the exported graph'}", soft_wrap=True)

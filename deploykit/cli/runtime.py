@@ -15,8 +15,9 @@ from deploykit.cli._printing import print_notes_and_failures, print_validation_t
 
 #: --backend, --device, --allow-failed, --no-op-library and --trust-bundle: how deploykit.load runs the bundle.
 _runtime_options = combine(
-    click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto",
-                 show_default=True, help="auto: the TensorRT engine where this GPU runs it, else ONNX Runtime."),
+    click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt", "aoti"]), default="auto",
+                 show_default=True, help="auto: the TensorRT engine where this GPU runs it, else ONNX Runtime; "
+                 "aoti: the bundle's AOTInductor packages."),
     click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda[:N]", help="Where to run."),
     allow_failed_option("Run a bundle whose validation failed."),
     click.option("--no-op-library", is_flag=True,

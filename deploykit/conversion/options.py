@@ -15,7 +15,8 @@ class ConvertOptions:
     output: Path
     inputs: list[InputSpec] = dataclasses.field(default_factory=list)
     custom_ops: bool = True
-    backend: str = "onnxruntime"
+    backend: str = "onnxruntime"  # onnxruntime | tensorrt | aoti | all
+    aoti_shapes: str = "both"  # AOTInductor packages: dynamic (one over the batch range), static (one per validated size), both
     trt_targets: list[str] | None = None
     trt_workspace_bytes: int | None = None
     batch: BatchRange | None = None

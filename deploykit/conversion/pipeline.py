@@ -1,8 +1,9 @@
 """What the CLI calls and users import: ``convert()`` runs the pipeline stage by stage.
 
-load -> check inputs -> export -> passes -> [precision] -> [op library] -> [TensorRT engine] -> validate
--> [auto-fix] -> report -> bundle (see DESIGN.md). ``STEPS`` lists the steps in order, each with the
-condition under which it runs; the state they share is :class:`~deploykit.conversion.state.ConversionState`.
+load -> check inputs -> export -> passes -> [precision] -> [op library] -> [TensorRT engine]
+-> [AOTInductor packages] -> validate -> [auto-fix] -> report -> bundle (see DESIGN.md). ``STEPS``
+lists the steps in order, each with the condition under which it runs; the state they share is
+:class:`~deploykit.conversion.state.ConversionState`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from deploykit.backends.torch.runner import TorchRunner
 from deploykit.bundle import trust
 from deploykit.bundle import write as bundle
 from deploykit.bundle.format import MODEL, REFERENCE_MODEL, REPORT, REPORT_PAGE
-from deploykit.bundle.manifest import build_manifest
+from deploykit.bundle.manifest import build_manifest, tensor_spec
+from deploykit.conversion import aoti
 from deploykit.conversion.engine import build_tensorrt_stage
 from deploykit.conversion.export import check_program_batch, export_onnx
 from deploykit.conversion.loading import LoadedModel, load_model
@@ -88,6 +90,7 @@ class Step:
 def _load(state: ConversionState) -> None:
     options = state.options
     state.loaded = load_model(options.model, options.factory, options.trust_pickle)
+    aoti.check_source(state.loaded, options.backend, options.aoti_shapes)
     if state.loaded.program is not None:
         check_program_batch(state.loaded.program, options.batch)
     state.specs = resolve_input_specs(state.loaded, options.inputs, options.batch)
@@ -97,6 +100,7 @@ def _run_reference(state: ConversionState) -> None:
     state.reference = TorchRunner(state.loaded, [spec.name for spec in state.specs])
     state.example = _example_inputs(state.specs, state.options.batch)
     _probe(state.reference, state.example, state.specs)
+    state.feed_sets = _validation_feeds(state.specs, state.options)
 
 
 def _export(state: ConversionState) -> None:
@@ -126,8 +130,21 @@ def _build_engine(state: ConversionState) -> None:
                                         options.trt_workspace_bytes, options.precision)
 
 
+def _compile_aoti(state: ConversionState) -> None:
+    options = state.options
+    reason = aoti.skip_reason(state.loaded, options.backend)
+    if reason:
+        state.aoti = aoti.AotiStage([], {}, reason)
+        return
+    graph = state.shipped_graph.graph
+    io = [tensor_spec(v, options.batch.to_json() if options.batch else None) for v in graph.input], \
+        [tensor_spec(v) for v in graph.output]
+    sizes = [int(next(iter(feeds.values())).shape[0]) for feeds in state.feed_sets]
+    state.aoti = aoti.build_aoti_stage(state.loaded, state.specs, io, options.batch, sizes, options.aoti_shapes,
+                                       options.precision)
+
+
 def _validate(state: ConversionState) -> None:
-    state.feed_sets = _validation_feeds(state.specs, state.options)
     state.tolerances = parse_tolerances(state.options.tolerances, state.options.precision,
                                         state.reference.output_names)
     candidates = _shipped_candidates(state)
@@ -156,6 +173,8 @@ def _write_bundle(state: ConversionState) -> None:
             shutil.copy2(state.library.path, staging / state.library.path.name)
         if state.engine is not None:
             (staging / state.engine.file_name).write_bytes(state.engine.build.engine)
+        for package in state.aoti.packages if state.aoti else []:
+            shutil.copy2(package.path, staging / package.entry["file"])
         bundle.write_json(staging / REPORT, state.report)
         (staging / REPORT_PAGE).write_text(render_html(state.report, state.validations))
         manifest.update(build_manifest(state))
@@ -174,6 +193,10 @@ def _tensorrt_requested(state: ConversionState) -> bool:
     return state.options.backend in ("tensorrt", "all")
 
 
+def _aoti_requested(state: ConversionState) -> bool:
+    return state.options.backend in ("aoti", "all")
+
+
 def _auto_fix_can_help(state: ConversionState) -> bool:
     """--auto-fix on a reduced-precision graph that failed; the plain export does not decide it."""
     return state.precision is not None and state.options.auto_fix and not state.passed
@@ -188,6 +211,7 @@ STEPS = (
     Step("Writing {options.precision} into the graph", _write_precision, _reduced_precision),
     Step("Building deploykit's op library (cached after the first run)", _find_op_library, _uses_deploykit_ops),
     Step("Building the TensorRT engine", _build_engine, _tensorrt_requested),
+    Step("Compiling AOTInductor packages (C++: slow)", _compile_aoti, _aoti_requested),
     Step("Validating against PyTorch", _validate),
     Step("Pinning the nodes that diverge to fp32 (--auto-fix)", _auto_fix, _auto_fix_can_help),
     Step("Writing the bundle", _write_bundle),
@@ -195,7 +219,8 @@ STEPS = (
 
 
 def _shipped_candidates(state: ConversionState) -> dict:
-    return _candidates(state.exported.model, state.shipped_graph, state.library, state.engine, state.precision)
+    return _candidates(state.exported.model, state.shipped_graph, state.library, state.engine, state.precision,
+                       state.aoti)
 
 
 #: The exporter's graph before any pass: tells where a failure comes from, and is a second fp32
@@ -204,8 +229,9 @@ PLAIN_EXPORT = "plain export"
 
 
 def _candidates(plain: onnx.ModelProto, optimized: onnx.ModelProto, library: OpLibrary, engine,
-                precision: PrecisionStage | None = None) -> dict:
-    """What validation compares with PyTorch; the first is the bundle as it will run."""
+                precision: PrecisionStage | None = None, aoti_stage: aoti.AotiStage | None = None) -> dict:
+    """What validation compares with PyTorch; the first is the bundle as it will run, the AOTInductor
+    packages (one candidate per kind: static, dynamic) come after the ONNX graph."""
     candidates = {}
     if engine is not None and engine.runner is not None:
         candidates["tensorrt engine"] = engine.runner
@@ -216,6 +242,8 @@ def _candidates(plain: onnx.ModelProto, optimized: onnx.ModelProto, library: OpL
         candidates["deploykit graph, ONNX functions"] = OnnxRuntimeRunner.from_model(optimized)
     else:
         candidates["deploykit graph"] = OnnxRuntimeRunner.from_model(optimized)
+    if aoti_stage is not None:
+        candidates.update(aoti_stage.runners)
     candidates[PLAIN_EXPORT] = OnnxRuntimeRunner.from_model(plain)
     return candidates
 

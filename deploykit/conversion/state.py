@@ -14,6 +14,7 @@ import onnx
 
 from deploykit.backends.onnxruntime.loader import OpLibrary
 from deploykit.backends.torch.runner import TorchRunner
+from deploykit.conversion.aoti import AotiStage
 from deploykit.conversion.engine import EngineStage
 from deploykit.conversion.export import ExportResult
 from deploykit.conversion.loading import LoadedModel
@@ -34,6 +35,7 @@ class ConversionState:
     # "Running the model in PyTorch"
     reference: TorchRunner | None = None
     example: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # the export's inputs
+    feed_sets: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)  # validation's, one per batch size
     # "Exporting ONNX": exported.model is the plain export
     exported: ExportResult | None = None
     # "Optimizing the graph"
@@ -46,9 +48,10 @@ class ConversionState:
     library: OpLibrary = OpLibrary(None, "the graph uses no deploykit op")
     # "Building the TensorRT engine"; auto-fix rebuilds it from the fixed graph
     engine: EngineStage | None = None
+    # "Compiling AOTInductor packages" (--backend aoti|all); no packages, only a note, where all skips them
+    aoti: AotiStage | None = None
     # "Validating against PyTorch"; auto-fix validates again. The first candidate is the bundle
     # as it will run, the last the plain export.
-    feed_sets: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
     tolerances: dict[str, Tolerance] = dataclasses.field(default_factory=dict)
     validations: list[CandidateValidation] = dataclasses.field(default_factory=list)
     # "Pinning the nodes that diverge to fp32 (--auto-fix)"

@@ -1,4 +1,5 @@
-"""``load``: which backend runs a bundle here (its engine where this GPU can, else ONNX Runtime)."""
+"""``load``: which backend runs a bundle here (its engine where this GPU can, else ONNX Runtime; its
+AOTInductor packages when asked for)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from deploykit.errors import BadInputError, EnvironmentProblem
 from deploykit.bundle import trust
 from deploykit.bundle.read import Bundle, check_validation, open_bundle
+from deploykit.backends.aoti.bundle import load_aoti, runnable_entry
 from deploykit.backends.base.runner import Runner
 from deploykit.backends.onnxruntime.bundle import load_onnxruntime
 from deploykit.backends.onnxruntime.loader import CUDA_EP
@@ -15,7 +17,9 @@ from deploykit.backends.tensorrt.bundle import load_tensorrt_engine
 from deploykit.backends.tensorrt.compat import engine_problem_here
 from deploykit.backends.tensorrt.shim import local_gpus
 
-BACKENDS = ("auto", "onnxruntime", "tensorrt")
+BACKENDS = ("auto", "onnxruntime", "tensorrt", "aoti")
+#: What ``load(..., backend="aoti")`` passes on to the AOTInductor runner.
+AOTI_OPTIONS = ("cuda_graph", "packages")
 
 
 def parse_device(device: str) -> tuple[str, int]:
@@ -37,6 +41,8 @@ def choose_backend(bundle: Bundle, backend: str, device: str, trust_native: bool
     if backend not in BACKENDS:
         raise BadInputError(f"backend {backend!r}: use one of {', '.join(BACKENDS)}")
     notes: list[str] = []
+    if backend == "aoti":
+        return "aoti", runnable_entry(bundle, device)["device"], notes
     if backend in ("auto", "tensorrt") and device != "cpu":
         if not bundle.engines:
             if backend == "tensorrt":
@@ -73,8 +79,8 @@ def load(bundle: str | Path, backend: str = "auto", device: str = "auto", *, all
          **options) -> Runner:
     """Open a bundle and return a runner for it.
 
-    ``backend``: auto (the engine where this GPU runs it, else ONNX Runtime), onnxruntime or
-    tensorrt. ``device``: auto, cpu, cuda or cuda:N. Files are checked against the manifest's
+    ``backend``: auto (the engine where this GPU runs it, else ONNX Runtime), onnxruntime,
+    tensorrt or aoti (the bundle's AOTInductor packages: cuda ones on a GPU, else cpu ones). ``device``: auto, cpu, cuda or cuda:N. Files are checked against the manifest's
     sha256 (``verify=False`` skips it). Native code from the bundle (its op library, an engine's
     plugins) runs only when this machine's deploykit made it, or with ``trust_native=True``
     (else a foreign op library is swapped for this machine's build, or refused). A bundle that
@@ -82,14 +88,21 @@ def load(bundle: str | Path, backend: str = "auto", device: str = "auto", *, all
     the bundle was validated for raises BadInputError unless ``allow_unvalidated`` (ONNX Runtime
     then runs it and says so in ``runner.notes``; an engine runs only the batches it was built
     for). ``options`` go to the runner (ONNX Runtime:
-    threads, cuda_graph, stream, tf32, profile_prefix). Why a backend was chosen and what differs from the
+    threads, cuda_graph, stream, tf32, profile_prefix; AOTInductor: cuda_graph, packages). Why a backend was chosen and what differs from the
     conversion machine are in ``runner.notes``; the latter are also issued as warnings.
     """
     opened = open_bundle(bundle)
     check_validation(opened, allow_failed)
     kind, device_id = parse_device(device)
     chosen, kind, notes = choose_backend(opened, backend, kind, trust_native)
-    if chosen == "tensorrt":
+    if chosen == "aoti":
+        unknown = sorted(set(options) - set(AOTI_OPTIONS))
+        if unknown:
+            raise BadInputError(f"{', '.join(unknown)} do not apply to AOTInductor packages (options: "
+                                f"{', '.join(AOTI_OPTIONS)})")
+        runner = load_aoti(opened, runnable_entry(opened, kind, device_id), device_id, verify=verify,
+                           trust_native=trust_native, notes=notes, allow_unvalidated=allow_unvalidated, **options)
+    elif chosen == "tensorrt":
         if options:
             raise BadInputError(f"{', '.join(options)} apply to ONNX Runtime only; this bundle runs its TensorRT engine")
         runner = load_tensorrt_engine(opened, opened.engines[0], device_id, verify=verify, notes=notes,

@@ -108,6 +108,22 @@ def tabular() -> nn.Module:
     return TabularNet()
 
 
+class TinyConv(nn.Module):
+    """Conv -> BatchNorm -> ReLU -> Linear on 3x8x8 images: small enough that AOTInductor compiles it quickly."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+        self.head = nn.Linear(4 * 8 * 8, 5)
+
+    def forward(self, x):
+        return self.head(self.features(x).flatten(1))
+
+
+def tiny_conv() -> nn.Module:
+    return TinyConv()
+
+
 class TransformerMLP(nn.Module):
     """Transformer-style feed-forward blocks: Linear -> ReLU -> Linear on (batch, tokens, width)."""
 

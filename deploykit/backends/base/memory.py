@@ -97,10 +97,7 @@ class TorchMemory:
         return self.torch.empty(tuple(shape), dtype=getattr(self.torch, np.dtype(dtype).name), device=self.device)
 
     def to_device(self, array: np.ndarray):
-        array = np.ascontiguousarray(array)
-        if array.dtype.name == "bfloat16":  # torch cannot read ml_dtypes' bfloat16: move the bits
-            return self.torch.from_numpy(array.view(np.int16)).to(self.device).view(self.torch.bfloat16)
-        return self.torch.from_numpy(array).to(self.device)
+        return torch_from_host(array).to(self.device)
 
     def synchronize(self) -> None:
         self.torch.cuda.current_stream(self.device).synchronize()
@@ -110,11 +107,28 @@ class TorchMemory:
             return tensor if device != "cpu" else tensor.cpu()
         if kind == "device":
             return tensor
-        if tensor.dtype == self.torch.bfloat16:  # numpy has bfloat16 only through ml_dtypes
-            import ml_dtypes
+        return torch_to_host(tensor)
 
-            return tensor.view(self.torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
-        return tensor.cpu().numpy()
+
+def torch_from_host(array: np.ndarray):
+    """A CPU torch tensor sharing a host array's memory (ml_dtypes' bfloat16 too, which torch cannot read)."""
+    import torch
+
+    array = np.ascontiguousarray(array)
+    if array.dtype.name == "bfloat16":  # move the bits
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def torch_to_host(tensor) -> np.ndarray:
+    """A torch tensor (CPU or CUDA) as numpy; bfloat16 through ml_dtypes, as numpy has no bfloat16."""
+    import torch
+
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
+    return tensor.cpu().numpy()
 
 
 def device_memory(device_id: int):
