@@ -20,7 +20,7 @@ import model_zoo
 from deploykit.testing import randomize_batch_norm
 from deploykit_cli import run_deploykit
 
-INPUT_SPECS = {"tabular": "features:1x13", "transformer_mlp": "tokens:1x9x40"}
+INPUT_SPECS = {"tabular": "features:1x13", "transformer_mlp": "tokens:1x9x40", "tiny_conv": "x:1x3x8x8"}
 _WORK = Path(tempfile.mkdtemp(prefix="deploykit-runtime-tests-"))
 atexit.register(shutil.rmtree, _WORK, ignore_errors=True)
 
@@ -46,6 +46,19 @@ def converted(name: str) -> Path:
                            "--batch", "1:2:4", "-o", _WORK / name, *engine)
     assert result.returncode == 0, result.stderr
     return _WORK / name
+
+
+@functools.cache
+def converted_aoti(name: str = "tiny_conv") -> Path:
+    """A bundle of ``name`` with AOTInductor packages for this machine's device, batch 1:1:3: static
+    packages for the validated sizes 1 and 3 and a dynamic one over 1..3 (three compiles)."""
+    torch.manual_seed(0)
+    weights = _WORK / f"{name}-aoti.pt"
+    torch.save(randomize_batch_norm(getattr(model_zoo, name)(), seed=1).state_dict(), weights)
+    result = run_deploykit("convert", weights, "--factory", f"model_zoo:{name}", "--input", INPUT_SPECS[name],
+                           "--batch", "1:1:3", "--backend", "aoti", "-o", _WORK / f"{name}-aoti")
+    assert result.returncode == 0, result.stderr
+    return _WORK / f"{name}-aoti"
 
 
 def copy_bundle(name: str, destination: Path) -> Path:

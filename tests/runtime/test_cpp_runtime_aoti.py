@@ -1,0 +1,248 @@
+"""The C++ runtime's AOTInductor path: deploykit-run built with the torch wheel's libtorch runs a
+bundle's AOTInductor packages as the Python AOTI runner does.
+
+The build lives in deploykit's cache (one folder per checkout and torch) and CMake rebuilds it
+incrementally: about 16 s cold on 2 cores (a configure of 2-3 s, then compiling the runtime with
+libtorch's headers), 3 s when nothing changed. The bundle (model_zoo's tiny_conv, batch 1:1:3, its
+static packages for batch 1 and 3 and a dynamic one over 1..3) is converted once per session.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import deploykit
+from converted_bundles import converted, converted_aoti, edit_manifest
+from cpp_runtime import ROOT, cached_build_dir, configure_and_build, libtorch_defines, run_cpp, runtime_defines
+
+INPUT = "x"
+
+
+@pytest.fixture(scope="module")
+def built() -> tuple[Path, str]:
+    build = cached_build_dir("runtime-libtorch")
+    start = time.perf_counter()
+    log = configure_and_build(ROOT / "csrc" / "runtime", build, *runtime_defines(), *libtorch_defines())
+    print(f"deploykit-run with libtorch built in {time.perf_counter() - start:.1f} s ({build})")
+    assert "AOTInductor path enabled" in log, log
+    return build / "deploykit-run", log
+
+
+@pytest.fixture(scope="module")
+def bundle() -> Path:
+    return converted_aoti()
+
+
+def manifest(bundle: Path) -> dict:
+    return json.loads((bundle / "manifest.json").read_text())
+
+
+def device_of(bundle: Path) -> str:
+    return manifest(bundle)["aoti"][0]["device"]
+
+
+def package_for(bundle: Path, batch: int) -> str:
+    """The file the runners should route a call of ``batch`` to: its static package, else the dynamic one."""
+    entries = manifest(bundle)["aoti"]
+    static = [e["file"] for e in entries if e["batch"]["min"] == e["batch"]["max"] == batch]
+    dynamic = [e["file"] for e in entries if e["batch"]["min"] < e["batch"]["max"]]
+    return (static or dynamic)[0]
+
+
+def inputs(directory: Path, batch: int, dtype=np.float32) -> Path:
+    array = np.random.default_rng(batch).standard_normal((batch, 3, 8, 8)).astype(dtype)
+    np.save(directory / f"{INPUT}.npy", array)
+    return directory
+
+
+def copied(bundle: Path, destination: Path) -> Path:
+    return Path(shutil.copytree(bundle, destination / bundle.name))
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_outputs_equal_the_python_aoti_runner(tmp_path, built, bundle, batch):
+    executable, _ = built
+    result = run_cpp(executable, bundle, "--backend", "aoti", "--inputs", inputs(tmp_path, batch), "-o", tmp_path,
+                     "--trust-bundle")
+    assert result.returncode == 0, result.stderr
+    assert f"ran: {package_for(bundle, batch)}" in result.stderr, result.stderr
+    assert f"on {device_of(bundle)}" in result.stderr
+    runner = deploykit.load(bundle, backend="aoti", device=device_of(bundle))
+    expected = runner(np.load(tmp_path / f"{INPUT}.npy"))
+    for output, want in expected.items():
+        got = np.load(tmp_path / f"{output}.npy")
+        want = np.asarray(want)
+        assert got.dtype == want.dtype and got.shape == want.shape == (batch, 5)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_one_package_of_ones_choice(tmp_path, built, bundle):
+    executable, _ = built
+    dynamic = package_for(bundle, 2)
+    result = run_cpp(executable, bundle, "--backend", "aoti", "--aoti-package", dynamic, "--inputs", inputs(tmp_path, 1),
+                     "-o", tmp_path, "--trust-bundle")
+    assert result.returncode == 0 and f"ran: {dynamic}" in result.stderr, result.stderr
+    unknown = run_cpp(executable, bundle, "--backend", "aoti", "--aoti-package", "other.pt2", "--inputs", tmp_path,
+                      "--trust-bundle")
+    assert unknown.returncode == 2 and "the manifest lists no such AOTInductor package" in unknown.stderr
+
+
+def test_the_package_is_loaded_from_a_private_copy_that_is_removed(tmp_path, built, bundle, monkeypatch):
+    executable, _ = built
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setenv("TMPDIR", str(private))
+    result = run_cpp(executable, bundle, "--backend", "aoti", "--inputs", inputs(tmp_path, 3), "-o", tmp_path,
+                     "--trust-bundle")
+    assert result.returncode == 0, result.stderr
+    assert not list(private.glob("deploykit-aoti-*"))
+
+
+def test_a_package_needs_consent(tmp_path, built, bundle):
+    executable, _ = built
+    result = run_cpp(executable, bundle, "--backend", "aoti", "--inputs", inputs(tmp_path, 1), "-o", tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "is native code from the bundle" in result.stderr and "--trust-bundle" in result.stderr
+    assert not (tmp_path / "output.npy").exists()
+
+
+def test_a_changed_package_is_refused_by_name(tmp_path, built, bundle):
+    executable, _ = built
+    changed = copied(bundle, tmp_path)
+    name = package_for(changed, 1)
+    with (changed / name).open("ab") as handle:
+        handle.write(b"\0")
+    result = run_cpp(executable, changed, "--backend", "aoti", "--inputs", inputs(tmp_path, 1), "-o", tmp_path,
+                     "--trust-bundle")
+    assert result.returncode == 2, result.stderr
+    assert f"{name} does not match its sha256 in manifest.json" in result.stderr
+
+
+def other_machine(entry: dict, what: str) -> None:
+    """Make a manifest entry say it was compiled by another torch release or for another CPU or GPU."""
+    if what == "torch":
+        entry["torch"] = "2.0.0"
+    elif entry["device"] == "cuda":
+        entry["cuda_arch"] = "1.0"
+    else:
+        entry["cpu_isa"] = "sve256"
+
+
+@pytest.mark.parametrize("what, message", [("torch", "compiled by torch 2.0.0"), ("machine", "compiled for")])
+def test_packages_that_cannot_run_here_are_left_out_or_refused(tmp_path, built, bundle, what, message):
+    executable, _ = built
+    one = copied(bundle, tmp_path / "one")
+    static = package_for(one, 1)
+    edit_manifest(one, lambda m: [other_machine(e, what) for e in m["aoti"] if e["file"] == static])
+    ran = run_cpp(executable, one, "--backend", "aoti", "--inputs", inputs(tmp_path, 1), "-o", tmp_path, "--trust-bundle")
+    assert ran.returncode == 0, ran.stderr
+    assert f"ran: {package_for(one, 2)}" in ran.stderr and f"left out {static}: it was {message}" in ran.stderr
+    every = copied(bundle, tmp_path / "every")
+    edit_manifest(every, lambda m: [other_machine(e, what) for e in m["aoti"]])
+    refused = run_cpp(executable, every, "--backend", "aoti", "--inputs", tmp_path, "-o", tmp_path, "--trust-bundle")
+    assert refused.returncode == 3 and message in refused.stderr, refused.stderr
+    assert "cannot run" in refused.stderr and "internal error" not in refused.stderr
+
+
+@pytest.mark.parametrize("case, message", [
+    ("batch", "batch 4 is not one the bundle's AOTInductor packages"),
+    ("dtype", "input x is float64 1x3x8x8, the model takes float32 Nx3x8x8"),
+    ("device", "has no AOTInductor package for"),
+])
+def test_bad_input_is_exit_2(tmp_path, built, bundle, case, message):
+    executable, _ = built
+    other = "cpu" if device_of(bundle) == "cuda" else "cuda"
+    extra = {"batch": [], "dtype": [], "device": ["--aoti-device", other]}[case]
+    feeds = inputs(tmp_path, 4) if case == "batch" else inputs(tmp_path, 1, np.float64 if case == "dtype" else np.float32)
+    result = run_cpp(executable, bundle, "--backend", "aoti", "--inputs", feeds, "-o", tmp_path, "--trust-bundle", *extra)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_a_malformed_aoti_entry_is_bad_input(tmp_path, built, bundle):
+    executable, _ = built
+    broken = copied(bundle, tmp_path)
+    edit_manifest(broken, lambda m: m["aoti"][0].pop("batch"))
+    result = run_cpp(executable, broken, "--backend", "aoti", "--inputs", inputs(tmp_path, 1), "--trust-bundle")
+    assert result.returncode == 2 and "'aoti[0].batch' is missing" in result.stderr, result.stderr
+
+
+def test_a_bundle_without_aoti_still_runs_on_onnxruntime(tmp_path, built):
+    executable, _ = built
+    plain = converted("tabular")
+    array = np.random.default_rng(3).standard_normal((3, 13), dtype=np.float32)
+    np.save(tmp_path / "features.npy", array)
+    result = run_cpp(executable, plain, "--inputs", tmp_path, "-o", tmp_path, "--trust-bundle")
+    assert result.returncode == 0 and "onnxruntime: " in result.stderr, result.stderr
+    for output, want in deploykit.load(plain, device="cpu")(array).items():
+        np.testing.assert_allclose(np.load(tmp_path / f"{output}.npy"), want, rtol=1e-6, atol=1e-6)
+    aoti = run_cpp(executable, plain, "--backend", "aoti", "--inputs", tmp_path, "--trust-bundle")
+    assert aoti.returncode == 2 and "has no AOTInductor package: convert with --backend aoti" in aoti.stderr
+
+
+# --------------------------------------------------------------------------- backend auto and the tuning table
+
+def this_machine(device: str) -> dict:
+    """The machine fields of a tuning table timed here."""
+    if device == "cpu":
+        return {"device": "cpu", "gpu": None, "cuda_arch": None}
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(0)
+    return {"device": "cuda", "gpu": torch.cuda.get_device_name(0), "cuda_arch": f"{major}.{minor}"}
+
+
+def tuned(bundle: Path, destination: Path, machine: dict) -> Path:
+    """A copy of the bundle whose tuning table gives batch 1 to its static AOTI package, batch 3 to ONNX Runtime."""
+    copy = copied(bundle, destination)
+    choices = [{"batch": 1, "backend": "aoti", "options": {"file": package_for(bundle, 1), "cuda_graph": False},
+                "p50_ms": 0.1},
+               {"batch": 3, "backend": "onnxruntime", "options": {}, "p50_ms": 0.2}]
+    table = {**machine, "created": "2026-12-01T12:00:00Z", "versions": {}, "choices": choices}
+    edit_manifest(copy, lambda m: m.update(tuning=table))
+    return copy
+
+
+@pytest.mark.parametrize("batch, runs", [(1, "aoti"), (2, "onnxruntime"), (3, "onnxruntime")])
+def test_auto_runs_the_package_the_tuning_table_names_for_the_batch(tmp_path, built, bundle, batch, runs):
+    executable, _ = built
+    copy = tuned(bundle, tmp_path, this_machine(device_of(bundle)))
+    result = run_cpp(executable, copy, "--inputs", inputs(tmp_path, batch), "-o", tmp_path, "--trust-bundle")
+    assert result.returncode == 0, result.stderr
+    assert f"batch 1 -> aoti {package_for(bundle, 1)}" in result.stderr and "batch 3 -> onnxruntime" in result.stderr
+    assert (f"ran: {package_for(bundle, 1)}" in result.stderr) is (runs == "aoti"), result.stderr
+    want = deploykit.load(copy, backend="onnxruntime", device="cpu")(np.load(tmp_path / f"{INPUT}.npy"))["output"]
+    np.testing.assert_allclose(np.load(tmp_path / "output.npy"), want, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_gives_a_tuned_package_way_to_onnxruntime_without_consent(tmp_path, built, bundle):
+    executable, _ = built
+    copy = tuned(bundle, tmp_path, this_machine(device_of(bundle)))
+    result = run_cpp(executable, copy, "--inputs", inputs(tmp_path, 1), "-o", tmp_path, "--no-op-library")
+    assert result.returncode == 0, result.stderr
+    assert f"the tuned {package_for(bundle, 1)} does not run here" in result.stderr
+    assert "is native code from the bundle" in result.stderr and "ran:" not in result.stderr
+
+
+def test_auto_ignores_a_table_tuned_on_another_machine(tmp_path, built, bundle):
+    executable, _ = built
+    copy = tuned(bundle, tmp_path, {"device": "cuda", "gpu": "Another GPU", "cuda_arch": "1.0"})
+    result = run_cpp(executable, copy, "--inputs", inputs(tmp_path, 1), "-o", tmp_path, "--trust-bundle")
+    assert result.returncode == 0, result.stderr
+    assert "tuning not used: it was tuned on" in result.stderr and "ran:" not in result.stderr
+
+
+# --------------------------------------------------------------------------- configuring
+
+@pytest.mark.parametrize("value, message", [("ON", "Torch"), ("MAYBE", "use AUTO, ON or OFF")])
+def test_configure_fails_clearly_when_libtorch_is_required_and_missing(tmp_path, value, message):
+    configure = subprocess.run(["cmake", "-S", ROOT / "csrc" / "runtime", "-B", tmp_path / "build", *runtime_defines(),
+                                f"-DDEPLOYKIT_WITH_LIBTORCH={value}", f"-DCMAKE_PREFIX_PATH={tmp_path}",
+                                "-DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF"], capture_output=True, text=True)
+    assert configure.returncode != 0 and message in configure.stdout + configure.stderr
