@@ -9,6 +9,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import onnxruntime
@@ -74,6 +75,16 @@ def cached_build_dir(name: str) -> Path:
 
     key = hashlib.sha256(f"{ROOT}\0{torch.__version__}".encode()).hexdigest()[:16]
     return native.cache_dir() / "test-builds" / f"{name}-{key}"
+
+
+def built_with_libtorch() -> tuple[Path, str]:
+    """deploykit-run built with the torch wheel's libtorch in its cached folder, and CMake's configure log."""
+    build = cached_build_dir("runtime-libtorch")
+    start = time.perf_counter()
+    log = configure_and_build(ROOT / "csrc" / "runtime", build, *runtime_defines(), *libtorch_defines())
+    print(f"deploykit-run with libtorch built in {time.perf_counter() - start:.1f} s ({build})")
+    assert "AOTInductor path enabled" in log, log
+    return build / "deploykit-run", log
 
 
 def run_cpp(executable: Path, *args) -> subprocess.CompletedProcess:

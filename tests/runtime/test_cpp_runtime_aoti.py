@@ -2,68 +2,35 @@
 bundle's AOTInductor packages as the Python AOTI runner does.
 
 The build lives in deploykit's cache (one folder per checkout and torch) and CMake rebuilds it
-incrementally: about 16 s cold on 2 cores (a configure of 2-3 s, then compiling the runtime with
-libtorch's headers), 3 s when nothing changed. The bundle (model_zoo's tiny_conv, batch 1:1:3, its
-static packages for batch 1 and 3 and a dynamic one over 1..3) is converted once per session.
+incrementally: 16 s cold on 2 idle cores, 50 s on the shared ones here (a configure of 2-3 s, then
+the runtime compiled against libtorch's headers), 3 s when nothing changed. The bundle
+(model_zoo's tiny_conv, batch 1:1:3: static packages for batch 1 and 3, a dynamic one over 1..3;
+three AOTInductor compiles, about 25 s) is converted once per session. CUDA packages:
+tests/gpu/test_cpp_runtime_aoti_cuda.py.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import deploykit
+from aoti_cases import INPUT, copied, device_of, inputs, package_for, this_machine, tuned
 from converted_bundles import converted, converted_aoti, edit_manifest
-from cpp_runtime import ROOT, cached_build_dir, configure_and_build, libtorch_defines, run_cpp, runtime_defines
-
-INPUT = "x"
+from cpp_runtime import ROOT, built_with_libtorch, run_cpp, runtime_defines
 
 
 @pytest.fixture(scope="module")
 def built() -> tuple[Path, str]:
-    build = cached_build_dir("runtime-libtorch")
-    start = time.perf_counter()
-    log = configure_and_build(ROOT / "csrc" / "runtime", build, *runtime_defines(), *libtorch_defines())
-    print(f"deploykit-run with libtorch built in {time.perf_counter() - start:.1f} s ({build})")
-    assert "AOTInductor path enabled" in log, log
-    return build / "deploykit-run", log
+    return built_with_libtorch()
 
 
 @pytest.fixture(scope="module")
 def bundle() -> Path:
     return converted_aoti()
-
-
-def manifest(bundle: Path) -> dict:
-    return json.loads((bundle / "manifest.json").read_text())
-
-
-def device_of(bundle: Path) -> str:
-    return manifest(bundle)["aoti"][0]["device"]
-
-
-def package_for(bundle: Path, batch: int) -> str:
-    """The file the runners should route a call of ``batch`` to: its static package, else the dynamic one."""
-    entries = manifest(bundle)["aoti"]
-    static = [e["file"] for e in entries if e["batch"]["min"] == e["batch"]["max"] == batch]
-    dynamic = [e["file"] for e in entries if e["batch"]["min"] < e["batch"]["max"]]
-    return (static or dynamic)[0]
-
-
-def inputs(directory: Path, batch: int, dtype=np.float32) -> Path:
-    array = np.random.default_rng(batch).standard_normal((batch, 3, 8, 8)).astype(dtype)
-    np.save(directory / f"{INPUT}.npy", array)
-    return directory
-
-
-def copied(bundle: Path, destination: Path) -> Path:
-    return Path(shutil.copytree(bundle, destination / bundle.name))
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3])
@@ -187,27 +154,6 @@ def test_a_bundle_without_aoti_still_runs_on_onnxruntime(tmp_path, built):
 
 
 # --------------------------------------------------------------------------- backend auto and the tuning table
-
-def this_machine(device: str) -> dict:
-    """The machine fields of a tuning table timed here."""
-    if device == "cpu":
-        return {"device": "cpu", "gpu": None, "cuda_arch": None}
-    import torch
-
-    major, minor = torch.cuda.get_device_capability(0)
-    return {"device": "cuda", "gpu": torch.cuda.get_device_name(0), "cuda_arch": f"{major}.{minor}"}
-
-
-def tuned(bundle: Path, destination: Path, machine: dict) -> Path:
-    """A copy of the bundle whose tuning table gives batch 1 to its static AOTI package, batch 3 to ONNX Runtime."""
-    copy = copied(bundle, destination)
-    choices = [{"batch": 1, "backend": "aoti", "options": {"file": package_for(bundle, 1), "cuda_graph": False},
-                "p50_ms": 0.1},
-               {"batch": 3, "backend": "onnxruntime", "options": {}, "p50_ms": 0.2}]
-    table = {**machine, "created": "2026-12-01T12:00:00Z", "versions": {}, "choices": choices}
-    edit_manifest(copy, lambda m: m.update(tuning=table))
-    return copy
-
 
 @pytest.mark.parametrize("batch, runs", [(1, "aoti"), (2, "onnxruntime"), (3, "onnxruntime")])
 def test_auto_runs_the_package_the_tuning_table_names_for_the_batch(tmp_path, built, bundle, batch, runs):
