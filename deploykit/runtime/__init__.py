@@ -11,13 +11,16 @@ addresses); without torch, device memory comes from cuda-python (``cuda.bindings
 Where things live: ``deploykit.bundle`` (opening and verifying a bundle), ``deploykit.backends``
 (``base``: the runner contract, feeds and outputs, device memory; ``onnxruntime`` and
 ``tensorrt``: loaders, runners, and each backend's bundle loader; ``tensorrt.compat``: whether
-an engine can run here), ``runtime.choose`` (the backend choice and ``load``). Heavy libraries
+an engine can run here; ``aoti``: AOTInductor packages, ``aoti.compat``: whether a package runs here), ``runtime.choose`` (the backend choice and ``load``). Heavy libraries
 (torch, onnxruntime, tensorrt, cuda-python) are imported only when used.
 """
 
 from deploykit.bundle.read import Bundle, check_validation, open_bundle, version_tuple
 from deploykit.runtime.choose import has_gpu, load, ort_has_cuda, parse_device
 from deploykit.backends.base.feeds import DeviceArray, Feed, as_feed, batch_sizes, bundle_feeds, collect_feeds, random_inputs
+from deploykit.backends.aoti.bundle import load_aoti
+from deploykit.backends.aoti.compat import package_problem, package_problem_here
+from deploykit.backends.aoti.runner import AotiRunner
 from deploykit.backends.base.memory import CudaPythonMemory, TorchMemory
 from deploykit.backends.base.runner import Runner
 from deploykit.backends.onnxruntime.bundle import load_onnxruntime
@@ -29,9 +32,9 @@ from deploykit.backends.tensorrt.runner import TensorRTRunner
 from deploykit.backends.tensorrt.shim import installed_tensorrt
 
 __all__ = [
-    "CUDA_EP", "MIN_ORT_FOR_OP_LIBRARY", "Bundle", "CudaPythonMemory", "DeviceArray", "Feed",
+    "CUDA_EP", "MIN_ORT_FOR_OP_LIBRARY", "AotiRunner", "Bundle", "CudaPythonMemory", "DeviceArray", "Feed",
     "OnnxRuntimeRunner", "Runner", "TensorRTRunner", "TorchMemory", "as_feed", "batch_sizes",
     "bundle_feeds", "check_validation", "collect_feeds", "engine_problem", "engine_problem_here", "has_gpu",
-    "installed_tensorrt", "load", "load_onnxruntime", "load_tensorrt_engine", "open_bundle", "ort_has_cuda",
-    "parse_device", "random_inputs", "version_tuple",
+    "installed_tensorrt", "load", "load_aoti", "load_onnxruntime", "load_tensorrt_engine", "open_bundle", "ort_has_cuda",
+    "package_problem", "package_problem_here", "parse_device", "random_inputs", "version_tuple",
 ]

@@ -52,7 +52,8 @@ def this_machine(device: str) -> dict:
 
 
 def tuned(bundle: Path, destination: Path, machine: dict) -> Path:
-    """A copy of the bundle whose tuning table gives batch 1 to its static AOTI package, batch 3 to ONNX Runtime."""
+    """A copy of the bundle whose tuning table gives batch 1 to its static AOTI package, batch 3 to ONNX
+    Runtime (batch 2 goes to the nearest tuned size above: ONNX Runtime)."""
     copy = copied(bundle, destination)
     choices = [{"batch": 1, "backend": "aoti", "options": {"file": package_for(bundle, 1), "cuda_graph": False},
                 "p50_ms": 0.1},

@@ -20,7 +20,7 @@ import model_zoo
 from deploykit.testing import randomize_batch_norm
 from deploykit_cli import run_deploykit
 
-INPUT_SPECS = {"tabular": "features:1x13", "transformer_mlp": "tokens:1x9x40", "tiny_conv": "x:1x3x8x8"}
+INPUT_SPECS = {"tabular": "features:1x13", "transformer_mlp": "tokens:1x9x40"}
 _WORK = Path(tempfile.mkdtemp(prefix="deploykit-runtime-tests-"))
 atexit.register(shutil.rmtree, _WORK, ignore_errors=True)
 
@@ -49,16 +49,18 @@ def converted(name: str) -> Path:
 
 
 @functools.cache
-def converted_aoti(name: str = "tiny_conv") -> Path:
-    """A bundle of ``name`` with AOTInductor packages for this machine's device, batch 1:1:3: static
-    packages for the validated sizes 1 and 3 and a dynamic one over 1..3 (three compiles)."""
+def converted_aoti(batch: str | None = "1:2:4", *options: str) -> Path:
+    """A bundle of model_zoo's tiny_conv (x: 3x8x8 images; ``batch``: MIN:OPT:MAX, or None for batch 1) with
+    AOTInductor packages (``convert --backend aoti OPTIONS``): compiling C++ is slow, so each is made once."""
+    folder = Path(tempfile.mkdtemp(prefix="tiny_conv-aoti-", dir=_WORK))
     torch.manual_seed(0)
-    weights = _WORK / f"{name}-aoti.pt"
-    torch.save(randomize_batch_norm(getattr(model_zoo, name)(), seed=1).state_dict(), weights)
-    result = run_deploykit("convert", weights, "--factory", f"model_zoo:{name}", "--input", INPUT_SPECS[name],
-                           "--batch", "1:1:3", "--backend", "aoti", "-o", _WORK / f"{name}-aoti")
+    weights = folder / "tiny_conv.pt"
+    torch.save(randomize_batch_norm(model_zoo.tiny_conv(), seed=1).state_dict(), weights)
+    dynamic = ["--batch", batch] if batch else []
+    result = run_deploykit("convert", weights, "--factory", "model_zoo:tiny_conv", "--input", "x:1x3x8x8", *dynamic,
+                           "--backend", "aoti", *options, "-o", folder / "bundle")
     assert result.returncode == 0, result.stderr
-    return _WORK / f"{name}-aoti"
+    return folder / "bundle"
 
 
 def copy_bundle(name: str, destination: Path) -> Path:

@@ -4,9 +4,9 @@ bundle's AOTInductor packages as the Python AOTI runner does.
 The build lives in deploykit's cache (one folder per checkout and torch) and CMake rebuilds it
 incrementally: 16 s cold on 2 idle cores, 50 s on the shared ones here (a configure of 2-3 s, then
 the runtime compiled against libtorch's headers), 3 s when nothing changed. The bundle
-(model_zoo's tiny_conv, batch 1:1:3: static packages for batch 1 and 3, a dynamic one over 1..3;
-three AOTInductor compiles, about 25 s) is converted once per session. CUDA packages:
-tests/gpu/test_cpp_runtime_aoti_cuda.py.
+(converted_aoti: model_zoo's tiny_conv, batch 1:2:4, static packages for batch 1, 2 and 4 and a
+dynamic one over 1..4, as tests/backends/test_aoti.py uses it) is converted once per session.
+CUDA packages: tests/gpu/test_cpp_runtime_aoti_cuda.py.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def bundle() -> Path:
     return converted_aoti()
 
 
-@pytest.mark.parametrize("batch", [1, 2, 3])
+@pytest.mark.parametrize("batch", [1, 3, 4])
 def test_outputs_equal_the_python_aoti_runner(tmp_path, built, bundle, batch):
     executable, _ = built
     result = run_cpp(executable, bundle, "--backend", "aoti", "--inputs", inputs(tmp_path, batch), "-o", tmp_path,
@@ -52,7 +52,7 @@ def test_outputs_equal_the_python_aoti_runner(tmp_path, built, bundle, batch):
 
 def test_one_package_of_ones_choice(tmp_path, built, bundle):
     executable, _ = built
-    dynamic = package_for(bundle, 2)
+    dynamic = package_for(bundle, 3)
     result = run_cpp(executable, bundle, "--backend", "aoti", "--aoti-package", dynamic, "--inputs", inputs(tmp_path, 1),
                      "-o", tmp_path, "--trust-bundle")
     assert result.returncode == 0 and f"ran: {dynamic}" in result.stderr, result.stderr
@@ -110,7 +110,7 @@ def test_packages_that_cannot_run_here_are_left_out_or_refused(tmp_path, built, 
     edit_manifest(one, lambda m: [other_machine(e, what) for e in m["aoti"] if e["file"] == static])
     ran = run_cpp(executable, one, "--backend", "aoti", "--inputs", inputs(tmp_path, 1), "-o", tmp_path, "--trust-bundle")
     assert ran.returncode == 0, ran.stderr
-    assert f"ran: {package_for(one, 2)}" in ran.stderr and f"left out {static}: it was {message}" in ran.stderr
+    assert f"ran: {package_for(one, 3)}" in ran.stderr and f"left out {static}: it was {message}" in ran.stderr
     every = copied(bundle, tmp_path / "every")
     edit_manifest(every, lambda m: [other_machine(e, what) for e in m["aoti"]])
     refused = run_cpp(executable, every, "--backend", "aoti", "--inputs", tmp_path, "-o", tmp_path, "--trust-bundle")
@@ -119,7 +119,7 @@ def test_packages_that_cannot_run_here_are_left_out_or_refused(tmp_path, built, 
 
 
 @pytest.mark.parametrize("case, message", [
-    ("batch", "batch 4 is not one the bundle's AOTInductor packages"),
+    ("batch", "batch 5 is not one the bundle's AOTInductor packages"),
     ("dtype", "input x is float64 1x3x8x8, the model takes float32 Nx3x8x8"),
     ("device", "has no AOTInductor package for"),
 ])
@@ -127,7 +127,7 @@ def test_bad_input_is_exit_2(tmp_path, built, bundle, case, message):
     executable, _ = built
     other = "cpu" if device_of(bundle) == "cuda" else "cuda"
     extra = {"batch": [], "dtype": [], "device": ["--aoti-device", other]}[case]
-    feeds = inputs(tmp_path, 4) if case == "batch" else inputs(tmp_path, 1, np.float64 if case == "dtype" else np.float32)
+    feeds = inputs(tmp_path, 5) if case == "batch" else inputs(tmp_path, 1, np.float64 if case == "dtype" else np.float32)
     result = run_cpp(executable, bundle, "--backend", "aoti", "--inputs", feeds, "-o", tmp_path, "--trust-bundle", *extra)
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
