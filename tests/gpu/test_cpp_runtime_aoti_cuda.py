@@ -66,7 +66,7 @@ def test_cpu_packages_are_asked_for_and_absent(tmp_path, built, bundle):
     assert result.returncode == 2 and "has no AOTInductor package for cpu" in result.stderr, result.stderr
 
 
-def test_auto_runs_the_cuda_package_a_table_tuned_on_this_gpu_names(tmp_path, built, bundle):
+def test_auto_runs_the_cuda_packages_a_table_tuned_on_this_gpu_names(tmp_path, built, bundle):
     executable, _ = built
     copy = tuned(bundle, tmp_path, this_machine("cuda"))
     result = run_cpp(executable, copy, "--inputs", inputs(tmp_path, 1), "-o", tmp_path, "--trust-bundle")

@@ -52,12 +52,15 @@ def this_machine(device: str) -> dict:
 
 
 def tuned(bundle: Path, destination: Path, machine: dict) -> Path:
-    """A copy of the bundle whose tuning table gives batch 1 to its static AOTI package, batch 3 to ONNX
-    Runtime (batch 2 goes to the nearest tuned size above: ONNX Runtime)."""
+    """A copy of the bundle with a tuning table as deploykit tune writes it: batch 1 to the static
+    packages ({"packages": "static"}), batch 2 to the dynamic one named by file ({"file": ...}, the
+    form the manifest schema also allows), batch 4 to ONNX Runtime (batch 3 goes to the nearest tuned
+    size above that takes it: 4)."""
     copy = copied(bundle, destination)
-    choices = [{"batch": 1, "backend": "aoti", "options": {"file": package_for(bundle, 1), "cuda_graph": False},
+    choices = [{"batch": 1, "backend": "aoti", "options": {"packages": "static", "cuda_graph": False}, "p50_ms": 0.1},
+               {"batch": 2, "backend": "aoti", "options": {"file": package_for(bundle, 3), "cuda_graph": False},
                 "p50_ms": 0.1},
-               {"batch": 3, "backend": "onnxruntime", "options": {}, "p50_ms": 0.2}]
+               {"batch": 4, "backend": "onnxruntime", "options": {}, "p50_ms": 0.2}]
     table = {**machine, "created": "2026-12-01T12:00:00Z", "versions": {}, "choices": choices}
     edit_manifest(copy, lambda m: m.update(tuning=table))
     return copy

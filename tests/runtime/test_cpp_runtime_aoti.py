@@ -50,15 +50,25 @@ def test_outputs_equal_the_python_aoti_runner(tmp_path, built, bundle, batch):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_one_package_of_ones_choice(tmp_path, built, bundle):
+@pytest.mark.parametrize("choice, batch, runs", [
+    (["--aoti-package", "DYNAMIC"], 1, "DYNAMIC"),
+    (["--aoti-packages", "dynamic"], 1, "DYNAMIC"),
+    (["--aoti-packages", "static"], 4, "STATIC"),
+    (["--aoti-packages", "static"], 3, "batch 3 is not one the bundle's AOTInductor packages for"),
+    (["--aoti-package", "other.pt2"], 1, "the manifest lists no such AOTInductor package"),
+    (["--aoti-packages", "some"], 1, "--aoti-packages some: use both, static or dynamic"),
+])
+def test_the_packages_of_ones_choice(tmp_path, built, bundle, choice, batch, runs):
     executable, _ = built
-    dynamic = package_for(bundle, 3)
-    result = run_cpp(executable, bundle, "--backend", "aoti", "--aoti-package", dynamic, "--inputs", inputs(tmp_path, 1),
+    dynamic, static = package_for(bundle, 3), package_for(bundle, batch)
+    choice = [dynamic if part == "DYNAMIC" else part for part in choice]
+    result = run_cpp(executable, bundle, "--backend", "aoti", *choice, "--inputs", inputs(tmp_path, batch),
                      "-o", tmp_path, "--trust-bundle")
-    assert result.returncode == 0 and f"ran: {dynamic}" in result.stderr, result.stderr
-    unknown = run_cpp(executable, bundle, "--backend", "aoti", "--aoti-package", "other.pt2", "--inputs", tmp_path,
-                      "--trust-bundle")
-    assert unknown.returncode == 2 and "the manifest lists no such AOTInductor package" in unknown.stderr
+    if runs in ("DYNAMIC", "STATIC"):
+        assert result.returncode == 0, result.stderr
+        assert f"ran: {dynamic if runs == 'DYNAMIC' else static}" in result.stderr, result.stderr
+    else:
+        assert result.returncode == 2 and runs in result.stderr, result.stderr
 
 
 def test_the_package_is_loaded_from_a_private_copy_that_is_removed(tmp_path, built, bundle, monkeypatch):
@@ -155,14 +165,17 @@ def test_a_bundle_without_aoti_still_runs_on_onnxruntime(tmp_path, built):
 
 # --------------------------------------------------------------------------- backend auto and the tuning table
 
-@pytest.mark.parametrize("batch, runs", [(1, "aoti"), (2, "onnxruntime"), (3, "onnxruntime")])
-def test_auto_runs_the_package_the_tuning_table_names_for_the_batch(tmp_path, built, bundle, batch, runs):
+@pytest.mark.parametrize("batch, runs", [(1, 1), (2, 3), (3, None), (4, None)])
+def test_auto_runs_the_packages_the_tuning_table_names_for_the_batch(tmp_path, built, bundle, batch, runs):
+    """runs: the batch whose package runs (package_for), None for ONNX Runtime."""
     executable, _ = built
     copy = tuned(bundle, tmp_path, this_machine(device_of(bundle)))
     result = run_cpp(executable, copy, "--inputs", inputs(tmp_path, batch), "-o", tmp_path, "--trust-bundle")
     assert result.returncode == 0, result.stderr
-    assert f"batch 1 -> aoti {package_for(bundle, 1)}" in result.stderr and "batch 3 -> onnxruntime" in result.stderr
-    assert (f"ran: {package_for(bundle, 1)}" in result.stderr) is (runs == "aoti"), result.stderr
+    routes = f"batch 1 -> aoti static; batch 2 -> aoti {package_for(bundle, 3)}; batch 4 -> onnxruntime;"
+    assert routes in result.stderr, result.stderr
+    ran = [line for line in result.stderr.splitlines() if "ran: aoti-" in line]
+    assert [line.split("ran: ")[1] for line in ran] == ([package_for(bundle, runs)] if runs else []), result.stderr
     want = deploykit.load(copy, backend="onnxruntime", device="cpu")(np.load(tmp_path / f"{INPUT}.npy"))["output"]
     np.testing.assert_allclose(np.load(tmp_path / "output.npy"), want, rtol=1e-5, atol=1e-5)
 
@@ -172,7 +185,7 @@ def test_auto_gives_a_tuned_package_way_to_onnxruntime_without_consent(tmp_path,
     copy = tuned(bundle, tmp_path, this_machine(device_of(bundle)))
     result = run_cpp(executable, copy, "--inputs", inputs(tmp_path, 1), "-o", tmp_path, "--no-op-library")
     assert result.returncode == 0, result.stderr
-    assert f"the tuned {package_for(bundle, 1)} does not run here" in result.stderr
+    assert "batch 1: the tuned aoti static does not run here" in result.stderr
     assert "is native code from the bundle" in result.stderr and "ran:" not in result.stderr
 
 

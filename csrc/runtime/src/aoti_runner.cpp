@@ -86,23 +86,34 @@ std::vector<std::string> devices_to_try(const Options& options) {
   return {options.aoti_device};
 }
 
+// Whether the caller keeps `entry`: the one file it named (--aoti-package), else its kind (--aoti-packages).
+bool kept(const AotiEntry& entry, const Options& options) {
+  if (!options.aoti_package.empty()) return entry.file == options.aoti_package;
+  return options.aoti_packages == "both" || (options.aoti_packages == "static") == entry.is_static();
+}
+
+void check_choice(const Bundle& bundle, const std::vector<AotiEntry>& listed, const Options& options) {
+  if (listed.empty()) fail(ErrorKind::BadInput, bundle.directory() + " has no AOTInductor package: convert with --backend aoti");
+  if (options.aoti_packages != "both" && options.aoti_packages != "static" && options.aoti_packages != "dynamic") {
+    fail(ErrorKind::BadInput, "--aoti-packages " + options.aoti_packages + ": use both, static or dynamic");
+  }
+  bool named = std::any_of(listed.begin(), listed.end(), [&](const AotiEntry& entry) { return entry.file == options.aoti_package; });
+  if (!options.aoti_package.empty() && !named) {
+    fail(ErrorKind::BadInput, "--aoti-package " + options.aoti_package + ": the manifest lists no such AOTInductor package");
+  }
+}
+
 class AotiRunner : public Runner {
  public:
   AotiRunner(const Bundle& bundle, const Options& options)
       : bundle_(bundle), device_index_(options.device), inputs_(bundle.tensors("inputs")),
         outputs_(bundle.tensors("outputs")) {
     auto listed = bundle.aoti_packages();
-    if (listed.empty()) {
-      fail(ErrorKind::BadInput, bundle.directory() + " has no AOTInductor package: convert with --backend aoti");
-    }
-    bool named = std::any_of(listed.begin(), listed.end(), [&](const AotiEntry& entry) { return entry.file == options.aoti_package; });
-    if (!options.aoti_package.empty() && !named) {
-      fail(ErrorKind::BadInput, "--aoti-package " + options.aoti_package + ": the manifest lists no such AOTInductor package");
-    }
+    check_choice(bundle, listed, options);
     std::string first_problem;
     for (const auto& device : devices_to_try(options)) {
       for (const auto& entry : listed) {
-        if (entry.device != device || (!options.aoti_package.empty() && entry.file != options.aoti_package)) continue;
+        if (entry.device != device || !kept(entry, options)) continue;
         std::string problem = aoti_problem(entry, device_index_);
         if (problem.empty()) packages_.push_back(entry);
         else skipped_ += "; left out " + entry.file + ": " + problem;
@@ -112,7 +123,8 @@ class AotiRunner : public Runner {
       if (!packages_.empty()) break;
     }
     if (packages_.empty() && first_problem.empty()) {
-      fail(ErrorKind::BadInput, bundle.directory() + " has no AOTInductor package for " + device_ +
+      std::string kind = options.aoti_packages == "both" ? "" : options.aoti_packages + " ";
+      fail(ErrorKind::BadInput, bundle.directory() + " has no " + kind + "AOTInductor package for " + device_ +
                                     ": convert with --backend aoti on a " + device_ + " machine, or pass --aoti-device " +
                                     (device_ == "cpu" ? "cuda" : "cpu"));
     }
@@ -125,6 +137,9 @@ class AotiRunner : public Runner {
                     " (an AOTInductor package is compiled code), or run the bundle with --backend onnxruntime");
     }
   }
+
+  // Whether a package of this runner takes `batch`.
+  bool takes(int64_t batch) const { return find_package(batch) != nullptr; }
 
   const std::vector<TensorInfo>& inputs() const override { return inputs_; }
   const std::vector<TensorInfo>& outputs() const override { return outputs_; }
@@ -193,20 +208,22 @@ class AotiRunner : public Runner {
     return outputs;
   }
 
-  // The static package of this batch size, else a dynamic one whose range takes it.
-  const AotiEntry& package_for(int64_t batch) const {
+  // The static package of this batch size, else a dynamic one whose range takes it (nullptr: none).
+  const AotiEntry* find_package(int64_t batch) const {
     const AotiEntry* dynamic = nullptr;
-    std::string taken;
     for (const auto& entry : packages_) {
-      if (entry.is_static() && entry.batch_min == batch) return entry;
+      if (entry.is_static() && entry.batch_min == batch) return &entry;
       if (!entry.is_static() && entry.takes(batch) && !dynamic) dynamic = &entry;
-      taken += (taken.empty() ? "" : ", ") + batch_text(entry);
     }
-    if (!dynamic) {
-      fail(ErrorKind::BadInput, "batch " + std::to_string(batch) + " is not one the bundle's AOTInductor packages for " +
-                                    device_ + " take (" + taken + "): pass one of those, or run --backend onnxruntime");
-    }
-    return *dynamic;
+    return dynamic;
+  }
+
+  const AotiEntry& package_for(int64_t batch) const {
+    if (const AotiEntry* found = find_package(batch)) return *found;
+    std::string taken;
+    for (const auto& entry : packages_) taken += (taken.empty() ? "" : ", ") + batch_text(entry);
+    fail(ErrorKind::BadInput, "batch " + std::to_string(batch) + " is not one the bundle's AOTInductor packages for " +
+                                  device_ + " take (" + taken + "): pass one of those, or run --backend onnxruntime");
   }
 
   torch::inductor::AOTIModelPackageLoader& loader_for(const AotiEntry& entry) {
@@ -237,6 +254,8 @@ class AotiRunner : public Runner {
 std::unique_ptr<Runner> open_aoti(const Bundle& bundle, const Options& options) {
   return std::make_unique<AotiRunner>(bundle, options);
 }
+
+bool aoti_takes(const Runner& aoti, int64_t batch) { return dynamic_cast<const AotiRunner&>(aoti).takes(batch); }
 
 }  // namespace deploykit::detail
 

@@ -3,10 +3,10 @@
 //
 // A call goes by its batch size as deploykit.load(backend="auto") routes it (deploykit/tuning/route.py):
 // to the choice of that tuned size, else of the nearest tuned size above that takes it, else the nearest
-// below; a choice that takes no such size, or cannot run here (no libtorch, no consent, another torch,
-// another GPU), leaves the call to ONNX Runtime, with a note in describe().
-#include <limits>
-
+// below (an AOTInductor choice takes the sizes of its packages); a choice that cannot run here (no
+// libtorch, no consent, another torch, another GPU) leaves its sizes to ONNX Runtime, with a note in
+// describe(). An aoti choice names its packages as deploykit tune records them: a kind
+// ({"packages": "static"}) or one file ({"file": ...}).
 #include "bundle.hpp"
 #include "internal.hpp"
 
@@ -14,10 +14,10 @@ namespace deploykit::detail {
 namespace {
 
 struct Route {
-  int64_t batch, min, max;
-  Runner* runner;  // nullptr: ONNX Runtime
+  int64_t batch;
+  Runner* runner;  // nullptr: ONNX Runtime, which takes every batch size
   std::string label;
-  bool takes(int64_t size) const { return min <= size && size <= max; }
+  bool takes(int64_t size) const { return !runner || aoti_takes(*runner, size); }
 };
 
 class AutoRunner : public Runner {
@@ -30,10 +30,9 @@ class AutoRunner : public Runner {
       notes_ += "; tuning not used: " + problem;
       return;
     }
-    auto packages = bundle.aoti_packages();
     for (const auto& choice : tuning.choices) {
-      Route route{choice.batch, 0, std::numeric_limits<int64_t>::max(), nullptr, "onnxruntime"};
-      if (choice.backend == "aoti") route = aoti_route(bundle, options, packages, choice);
+      Route route{choice.batch, nullptr, "onnxruntime"};
+      if (choice.backend == "aoti") route = aoti_route(bundle, options, tuning.device, choice);
       else if (choice.backend != "onnxruntime") notes_ += "; batch " + std::to_string(choice.batch) + ": the tuned " +
                                                           choice.backend + " runs with --backend " + choice.backend + " only";
       routes_.push_back(route);
@@ -64,29 +63,25 @@ class AutoRunner : public Runner {
   }
 
  private:
-  // The AOTInductor runner of the package the choice names, opened once per package; a package that
-  // cannot run here leaves its route to ONNX Runtime.
-  Route aoti_route(const Bundle& bundle, const Options& options, const std::vector<AotiEntry>& packages,
-                   const TunedChoice& choice) {
-    std::string why = "batch " + std::to_string(choice.batch) + ": the tuned " + choice.file + " does not run here (";
-    auto entry = std::find_if(packages.begin(), packages.end(), [&](const AotiEntry& p) { return p.file == choice.file; });
-    if (entry == packages.end()) {
-      notes_ += "; " + why + "the manifest lists no such package): onnxruntime instead";
-      return {choice.batch, 0, std::numeric_limits<int64_t>::max(), nullptr, "onnxruntime"};
-    }
-    if (!aoti_.count(choice.file)) {
+  // The AOTInductor runner of the packages the choice names (a kind, or one file) on the tuned device,
+  // opened once per choice of packages; packages that cannot run here leave the route to ONNX Runtime.
+  Route aoti_route(const Bundle& bundle, const Options& options, const std::string& device, const TunedChoice& choice) {
+    std::string label = "aoti " + (choice.file.empty() ? choice.packages : choice.file);
+    if (!aoti_.count(label)) {
       Options own = options;
-      own.aoti_device = entry->device;
-      own.aoti_package = entry->file;
+      own.aoti_device = device;
+      own.aoti_packages = choice.packages;
+      own.aoti_package = choice.file;
       try {
-        aoti_[choice.file] = open_aoti(bundle, own);
+        aoti_[label] = open_aoti(bundle, own);
       } catch (const Error& error) {
-        notes_ += "; " + why + error.what() + "): onnxruntime instead";
-        aoti_[choice.file] = nullptr;
+        notes_ += "; batch " + std::to_string(choice.batch) + ": the tuned " + label + " does not run here (" +
+                  error.what() + "): onnxruntime instead";
+        aoti_[label] = nullptr;
       }
     }
-    Runner* runner = aoti_[choice.file].get();
-    return {choice.batch, entry->batch_min, entry->batch_max, runner, runner ? "aoti " + choice.file : "onnxruntime"};
+    Runner* runner = aoti_[label].get();
+    return {choice.batch, runner, runner ? label : "onnxruntime"};
   }
 
   Runner* route_for(int64_t batch) const {

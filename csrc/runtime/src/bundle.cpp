@@ -210,9 +210,12 @@ Tuning Bundle::tuning() const {
       bad_manifest(directory_, "'" + where + "batch' must be a whole number");
     }
     std::string backend = member(directory_, choices[i], "backend", json::value_t::string, where).get<std::string>();
-    std::string file = text(choices[i].value("options", json::object()), "file");
-    if (backend == "aoti" && file.empty()) bad_manifest(directory_, "'" + where + "options.file' must name the package");
-    tuning.choices.push_back({choices[i]["batch"].get<int64_t>(), backend, file});
+    const json options = choices[i].value("options", json::object());
+    std::string packages = text(options, "packages"), file = text(options, "file");
+    if (backend == "aoti" && packages.empty() && file.empty()) {
+      bad_manifest(directory_, "'" + where + "options' must name the AOTInductor packages or file");
+    }
+    tuning.choices.push_back({choices[i]["batch"].get<int64_t>(), backend, packages.empty() ? "both" : packages, file});
   }
   return tuning;
 }

@@ -27,10 +27,11 @@ struct AotiEntry {
 };
 
 // The manifest's tuning table (written by deploykit tune): the machine it was timed on and, per batch
-// size, the backend that won there (file: the AOTInductor package of an aoti choice).
+// size, the backend that won there; an aoti choice names its packages by kind (packages: static,
+// dynamic or both) or one file.
 struct TunedChoice {
   int64_t batch;
-  std::string backend, file;
+  std::string backend, packages, file;
 };
 struct Tuning {
   std::string device, gpu, cuda_arch;

@@ -22,6 +22,7 @@ std::unique_ptr<Runner> open_onnxruntime(const Bundle& bundle, const Options& op
 std::unique_ptr<Runner> open_tensorrt(const Bundle& bundle, const Options& options);
 std::unique_ptr<Runner> open_aoti(const Bundle& bundle, const Options& options);
 std::unique_ptr<Runner> open_auto(const Bundle& bundle, const Options& options);
+bool aoti_takes(const Runner& aoti, int64_t batch);  // whether a runner open_aoti made has a package for `batch`
 // Why the tuning table does not describe this machine on GPU `device` ("" when it does; cpu tables
 // always do, the C++ runtime running on the CPU); a build without libtorch says it cannot tell.
 std::string tuning_problem(const Tuning& tuning, int device);

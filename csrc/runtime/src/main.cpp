@@ -3,7 +3,8 @@
 //   deploykit-run BUNDLE --input x=x.npy [--input ...] [--inputs DIR] [-o OUT_DIR]
 //                 [--backend auto|onnxruntime|tensorrt|aoti] [--trust-bundle] [--ort-library PATH]
 //                 [--op-library PATH | --no-op-library] [--threads N] [--tensorrt-library PATH] [--plugin PATH] [--engine FILE]
-//                 [--aoti-device cpu|cuda] [--aoti-package FILE] [--device N] [--repeat N]
+//                 [--aoti-device cpu|cuda] [--aoti-packages both|static|dynamic] [--aoti-package FILE]
+//                 [--device N] [--repeat N]
 //
 // Native code from the bundle (its op library, an engine's plugins, its AOTInductor packages) loads only with --trust-bundle;
 // --op-library / --plugin bring your own build instead. Exit codes as the Python CLI: 0 ok, 2 bad input or usage, 3 missing environment, 4 internal.
@@ -21,7 +22,8 @@ const char* kUsage =
     "         [--backend auto|onnxruntime|tensorrt|aoti] [--trust-bundle] [--ort-library PATH]\n"
     "         [--op-library PATH | --no-op-library] [--threads N]\n"
     "         [--tensorrt-library PATH] [--plugin PATH] [--engine FILE]\n"
-    "         [--aoti-device cpu|cuda] [--aoti-package FILE] [--device N] [--repeat N]\n"
+    "         [--aoti-device cpu|cuda] [--aoti-packages both|static|dynamic] [--aoti-package FILE]\n"
+    "         [--device N] [--repeat N]\n"
     "Writes OUT_DIR/<output name>.npy (default OUT_DIR: the current directory). --backend auto\n"
     "(the default) is onnxruntime, or the AOTInductor package the bundle's tuning table names for\n"
     "the batch size on a machine like the one it was tuned on.\n"
@@ -87,6 +89,8 @@ Arguments parse(int argc, char** argv) {
       args.options.engine = value();
     } else if (arg == "--aoti-device") {
       args.options.aoti_device = value();
+    } else if (arg == "--aoti-packages") {
+      args.options.aoti_packages = value();
     } else if (arg == "--aoti-package") {
       args.options.aoti_package = value();
     } else if (arg == "--device") {

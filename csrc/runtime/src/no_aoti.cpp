@@ -9,6 +9,8 @@ std::unique_ptr<Runner> open_aoti(const Bundle&, const Options&) {
                                "-DCMAKE_PREFIX_PATH=\"$(python -c 'import torch; print(torch.utils.cmake_prefix_path)')\"");
 }
 
+bool aoti_takes(const Runner&, int64_t) { return false; }
+
 std::string tuning_problem(const Tuning&, int) {
   return "this deploykit-run was built without libtorch, so it runs no AOTInductor package";
 }

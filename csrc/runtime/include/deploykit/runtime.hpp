@@ -78,7 +78,10 @@ struct Options {
   // AOTInductor: the bundle's packages for this device, "cpu" or "cuda" ("" = cuda when the bundle has
   // cuda packages and libtorch sees a GPU, else cpu); the GPU is `device`.
   std::string aoti_device;
-  std::string aoti_package;  // run only this package the manifest lists ("" = each call's static, else dynamic one)
+  // Which packages: "static", "dynamic" or "both" (each call's static package, else the dynamic one);
+  // or only the one file the manifest lists as aoti_package.
+  std::string aoti_packages = "both";
+  std::string aoti_package;
 };
 
 // What a bundle's model takes and returns.
