@@ -12,6 +12,7 @@
 #include <cctype>
 #include <map>
 #include <sstream>
+#include <vector>
 
 namespace deploykit::detail {
 namespace {

@@ -7,6 +7,8 @@
 // libtorch, no consent, another torch, another GPU) leaves its sizes to ONNX Runtime, with a note in
 // describe(). An aoti choice names its packages as deploykit tune records them: a kind
 // ({"packages": "static"}) or one file ({"file": ...}).
+#include <map>
+
 #include "bundle.hpp"
 #include "internal.hpp"
 
