@@ -9,6 +9,7 @@ Compiling is C++ (gcc), about 6 s a package here: each bundle is converted once 
 from __future__ import annotations
 
 import json
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -157,8 +158,6 @@ def test_wrong_device_and_options_are_clear(bundle):
 
 def _onnx_only(bundle: Path) -> Path:
     """A copy of ``bundle`` without its packages in the manifest."""
-    import shutil
-
     copy = Path(shutil.copytree(bundle, bundle.parent / "onnx-only", dirs_exist_ok=True))
     edit_manifest(copy, lambda m: m.update(aoti=[]))
     return copy
@@ -193,8 +192,6 @@ def test_compat_names_the_torch_the_arch_and_the_isa(bundle):
 
 
 def test_a_package_of_another_torch_is_left_out_or_refused(bundle, tmp_path):
-    import shutil
-
     copy = Path(shutil.copytree(bundle, tmp_path / "b"))
 
     def other_torch(manifest, names):
@@ -220,8 +217,6 @@ def test_a_package_of_another_torch_is_left_out_or_refused(bundle, tmp_path):
 def _foreign_package(bundle: Path, tmp_path: Path) -> tuple[Path, Path]:
     """A copy of ``bundle`` whose dynamic package's .so is a library that writes a marker when loaded,
     the manifest's sha256 updated to match: what a stranger's bundle can carry."""
-    import shutil
-
     copy = Path(shutil.copytree(bundle, tmp_path / "foreign"))
     marker = tmp_path / "marker"
     library = constructor_library(tmp_path, marker).read_bytes()
@@ -255,8 +250,6 @@ def test_foreign_package_loads_with_consent(bundle, tmp_path):
 
 
 def test_changed_package_refused_before_it_loads(bundle, tmp_path):
-    import shutil
-
     copy = Path(shutil.copytree(bundle, tmp_path / "changed"))
     with (copy / STATIC[2]).open("ab") as handle:
         handle.write(b"\0")
@@ -265,8 +258,6 @@ def test_changed_package_refused_before_it_loads(bundle, tmp_path):
 
 
 def test_manifest_with_a_bad_package_entry_is_refused(bundle, tmp_path):
-    import shutil
-
     copy = Path(shutil.copytree(bundle, tmp_path / "bad"))
     edit_manifest(copy, lambda m: m["aoti"][0].update(device="tpu"))
     with pytest.raises(BadInputError, match=r"manifest.json: aoti.0.device: Input should be 'cpu' or 'cuda'"):
