@@ -1,9 +1,10 @@
 // Embedding deploykit's C++ runtime: open a bundle, feed it a tensor, read the outputs.
 //
-//   ./embed BUNDLE [onnxruntime|tensorrt] [--trust-bundle]
+//   ./embed BUNDLE [auto|onnxruntime|tensorrt|aoti] [--trust-bundle]
 //
-// The bundle's native code (its op library, an engine's plugins) is loaded only with consent
-// (Options::trust_native, here --trust-bundle); without it, deploykit ops run as ONNX functions.
+// The bundle's native code (its op library, an engine's plugins, its AOTInductor packages) is loaded
+// only with consent (Options::trust_native, here --trust-bundle); without it, deploykit ops run as
+// ONNX functions. `aoti` needs a runtime configured with libtorch (examples/cpp/README.md).
 //
 // Inputs are filled with a ramp at batch 1 (dynamic dimensions become 1); a real program fills
 // Tensor::data from its own buffers (C order, the dtype the model declares).
@@ -14,7 +15,7 @@
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: %s BUNDLE [onnxruntime|tensorrt] [--trust-bundle]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s BUNDLE [auto|onnxruntime|tensorrt|aoti] [--trust-bundle]\n", argv[0]);
     return 2;
   }
   deploykit::Options options;

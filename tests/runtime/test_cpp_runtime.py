@@ -4,7 +4,8 @@ Built once per module with CMake against the ONNX Runtime headers deploykit fetc
 libonnxruntime.so.1.* inside the onnxruntime wheel (loaded at run time). Its TensorRT path is
 compiled when TensorRT headers and the CUDA toolkit are here; it cannot run without a GPU.
 Like the Python runtime it refuses a changed bundle, paths out of it, and the bundle's own native
-code without --trust-bundle.
+code without --trust-bundle. This build is configured without libtorch (the AOTInductor path and
+its build with libtorch: test_cpp_runtime_aoti.py).
 """
 
 from __future__ import annotations
@@ -17,53 +18,23 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
-import onnxruntime
 import pytest
 
 import deploykit
-from deploykit.native import build as native
 from converted_bundles import converted, copy_bundle, edit_manifest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def ort_library() -> Path:
-    (library,) = (Path(onnxruntime.__file__).parent / "capi").glob("libonnxruntime.so.*")
-    return library
-
-
-def configure_and_build(source: Path, build: Path, *defines: str) -> str:
-    configure = subprocess.run(["cmake", "-S", source, "-B", build, *defines], capture_output=True, text=True)
-    assert configure.returncode == 0, configure.stdout + configure.stderr
-    compiled = subprocess.run(["cmake", "--build", build, "-j2"], capture_output=True, text=True)
-    assert compiled.returncode == 0, compiled.stdout + compiled.stderr
-    return configure.stdout
+from cpp_runtime import ROOT, configure_and_build, run_cpp, runtime_defines
 
 
 @pytest.fixture(scope="module")
 def defines() -> list[str]:
-    if shutil.which("cmake") is None:
-        pytest.skip("no cmake")
-    headers, problem = native.ort_headers()
-    if headers is None:
-        pytest.skip(f"no ONNX Runtime headers: {problem}")
-    json_headers, problem = native.json_headers()
-    if json_headers is None:
-        pytest.skip(f"no nlohmann/json headers: {problem}")
-    trt_headers, _ = native.tensorrt_headers()
-    return [f"-DORT_INCLUDE_DIR={headers}", f"-DORT_LIBRARY={ort_library()}", f"-DTENSORRT_INCLUDE_DIR={trt_headers or ''}",
-            f"-DNLOHMANN_JSON_INCLUDE_DIR={json_headers}"]
+    return runtime_defines()
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, defines) -> tuple[Path, str]:
     build = tmp_path_factory.mktemp("runtime-build")
-    log = configure_and_build(ROOT / "csrc" / "runtime", build, *defines)
+    log = configure_and_build(ROOT / "csrc" / "runtime", build, *defines, "-DDEPLOYKIT_WITH_LIBTORCH=OFF")
     return build / "deploykit-run", log
-
-
-def run_cpp(executable: Path, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([executable, *map(str, args)], capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("name, shape", [("tabular", (3, 13)), ("transformer_mlp", (4, 9, 40))])
@@ -132,6 +103,15 @@ def test_tensorrt_path_is_compiled_and_fails_cleanly_without_tensorrt(tmp_path, 
     assert "built without TensorRT" not in result.stderr
     assert any(text in result.stderr for text in ("cannot load the TensorRT runtime", "has no TensorRT engine",
                                                    "cudaSetDevice failed", "TensorRT cannot load"))
+
+
+def test_a_build_without_libtorch_says_how_to_get_the_aoti_path(tmp_path, built):
+    executable, log = built
+    assert "AOTInductor path disabled" in log
+    result = run_cpp(executable, converted("tabular"), "--backend", "aoti", "--inputs", features(tmp_path),
+                     "--trust-bundle")
+    assert result.returncode == 3, result.stderr
+    assert "built without libtorch" in result.stderr and "-DDEPLOYKIT_WITH_LIBTORCH=ON" in result.stderr
 
 
 def test_embedding_example_builds_and_runs(tmp_path_factory, defines):

@@ -81,6 +81,16 @@ json read_manifest(const std::string& directory) {
   }
   check_entries(directory, manifest, "custom_op_libraries", {"file", "runtime"});
   check_entries(directory, manifest, "engines", {"file"});
+  check_entries(directory, manifest, "aoti", {"file", "device", "torch", "precision"});
+  for (std::size_t i = 0; i < manifest.value("aoti", json::array()).size(); ++i) {
+    std::string where = "aoti[" + std::to_string(i) + "].";
+    const json& batch = member(directory, manifest["aoti"][i], "batch", json::value_t::object, where);
+    for (const char* key : {"min", "max"}) {
+      if (!batch.contains(key) || !batch[key].is_number_integer()) {
+        bad_manifest(directory, "'" + where + "batch." + key + "' must be a whole number");
+      }
+    }
+  }
   return manifest;
 }
 
@@ -166,6 +176,71 @@ std::vector<EngineEntry> Bundle::engines() const {
     engines.push_back({entry.at("file").get<std::string>(), !without_plugins});
   }
   return engines;
+}
+
+std::vector<AotiEntry> Bundle::aoti_packages() const {
+  std::vector<AotiEntry> packages;
+  auto optional = [](const json& entry, const char* key) {
+    auto found = entry.find(key);
+    return found != entry.end() && found->is_string() ? found->get<std::string>() : std::string();
+  };
+  for (const auto& entry : manifest_.value("aoti", json::array())) {
+    packages.push_back({entry.at("file").get<std::string>(), entry.at("device").get<std::string>(),
+                        entry.at("torch").get<std::string>(), optional(entry, "cuda_arch"), optional(entry, "cpu_isa"),
+                        entry.at("precision").get<std::string>(), entry.at("batch").at("min").get<int64_t>(),
+                        entry.at("batch").at("max").get<int64_t>()});
+  }
+  return packages;
+}
+
+bool Bundle::has_tuning() const { return manifest_.contains("tuning") && !manifest_["tuning"].is_null(); }
+
+Tuning Bundle::tuning() const {
+  const json& table = member(directory_, manifest_, "tuning", json::value_t::object, "");
+  auto text = [&](const json& object, const char* key) {
+    auto found = object.find(key);
+    return found != object.end() && found->is_string() ? found->get<std::string>() : std::string();
+  };
+  Tuning tuning{member(directory_, table, "device", json::value_t::string, "tuning.").get<std::string>(),
+                text(table, "gpu"), text(table, "cuda_arch"), {}};
+  const json& choices = member(directory_, table, "choices", json::value_t::array, "tuning.");
+  for (std::size_t i = 0; i < choices.size(); ++i) {
+    std::string where = "tuning.choices[" + std::to_string(i) + "].";
+    if (!choices[i].is_object() || !choices[i].contains("batch") || !choices[i]["batch"].is_number_integer()) {
+      bad_manifest(directory_, "'" + where + "batch' must be a whole number");
+    }
+    std::string backend = member(directory_, choices[i], "backend", json::value_t::string, where).get<std::string>();
+    const json options = choices[i].value("options", json::object());
+    std::string packages = text(options, "packages"), file = text(options, "file");
+    if (backend == "aoti" && packages.empty() && file.empty()) {
+      bad_manifest(directory_, "'" + where + "options' must name the AOTInductor packages or file");
+    }
+    tuning.choices.push_back({choices[i]["batch"].get<int64_t>(), backend, packages.empty() ? "both" : packages, file});
+  }
+  return tuning;
+}
+
+std::vector<TensorInfo> Bundle::tensors(const std::string& key) const {
+  auto list = manifest_.find(key);
+  if (list == manifest_.end() || !list->is_array()) bad_manifest(directory_, "'" + key + "' must be a list");
+  std::vector<TensorInfo> tensors;
+  for (std::size_t i = 0; i < list->size(); ++i) {
+    std::string where = key + "[" + std::to_string(i) + "].";
+    const json& entry = (*list)[i];
+    if (!entry.is_object()) bad_manifest(directory_, key + "[" + std::to_string(i) + "] must be an object");
+    std::string name = member(directory_, entry, "name", json::value_t::string, where).get<std::string>();
+    std::string dtype = member(directory_, entry, "dtype", json::value_t::string, where).get<std::string>();
+    TensorInfo info{name, DType::Float32, {}};
+    if (!dtype_of_name(dtype, &info.dtype)) {
+      fail(ErrorKind::BadInput, directory_ + ": " + key + " " + name + " is " + dtype + ", which deploykit-run does not handle");
+    }
+    for (const auto& dim : member(directory_, entry, "shape", json::value_t::array, where)) {
+      if (!dim.is_number_integer() && !dim.is_string()) bad_manifest(directory_, "'" + where + "shape' holds sizes or names");
+      info.shape.push_back(dim.is_string() ? -1 : dim.get<int64_t>());
+    }
+    tensors.push_back(std::move(info));
+  }
+  return tensors;
 }
 
 bool Bundle::contains(const std::string& path, std::string* relative) const {

@@ -17,6 +17,27 @@ struct EngineEntry {
   bool plugins;
 };
 
+// An AOTInductor package the manifest lists (its `aoti` entries): compiled code for one device and
+// torch version, taking the batch sizes batch_min..batch_max (a static package: one size).
+struct AotiEntry {
+  std::string file, device, torch, cuda_arch, cpu_isa, precision;
+  int64_t batch_min, batch_max;
+  bool is_static() const { return batch_min == batch_max; }
+  bool takes(int64_t batch) const { return batch_min <= batch && batch <= batch_max; }
+};
+
+// The manifest's tuning table (written by deploykit tune): the machine it was timed on and, per batch
+// size, the backend that won there; an aoti choice names its packages by kind (packages: static,
+// dynamic or both) or one file.
+struct TunedChoice {
+  int64_t batch;
+  std::string backend, packages, file;
+};
+struct Tuning {
+  std::string device, gpu, cuda_arch;
+  std::vector<TunedChoice> choices;
+};
+
 class Bundle {
  public:
   // Reads and checks manifest.json (format tag, format_version, the keys the runners use).
@@ -30,6 +51,11 @@ class Bundle {
   std::string model() const;
   std::vector<std::string> op_libraries(const std::string& runtime) const;
   std::vector<EngineEntry> engines() const;
+  std::vector<AotiEntry> aoti_packages() const;
+  bool has_tuning() const;
+  Tuning tuning() const;  // has_tuning() first
+  // The model's inputs and outputs as the manifest declares them (a named dimension is -1).
+  std::vector<TensorInfo> tensors(const std::string& key) const;
   // Whether `path` resolves inside the bundle directory; `relative` then holds its name there.
   bool contains(const std::string& path, std::string* relative) const;
 

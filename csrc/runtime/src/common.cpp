@@ -138,11 +138,14 @@ std::unique_ptr<Runner> open_bundle(const std::string& bundle, const Options& op
   if (!detail::file_exists(bundle + "/manifest.json")) {
     detail::fail(ErrorKind::BadInput, bundle + " is not a deploykit bundle (no manifest.json); run deploykit convert first");
   }
-  if (options.backend != "onnxruntime" && options.backend != "tensorrt") {
-    detail::fail(ErrorKind::BadInput, "backend " + options.backend + ": use onnxruntime or tensorrt");
+  if (options.backend != "auto" && options.backend != "onnxruntime" && options.backend != "tensorrt" &&
+      options.backend != "aoti") {
+    detail::fail(ErrorKind::BadInput, "backend " + options.backend + ": use auto, onnxruntime, tensorrt or aoti");
   }
   detail::Bundle checked(bundle);
+  if (options.backend == "auto") return detail::open_auto(checked, options);
   if (options.backend == "onnxruntime") return detail::open_onnxruntime(checked, options);
+  if (options.backend == "aoti") return detail::open_aoti(checked, options);
   return detail::open_tensorrt(checked, options);
 }
 
@@ -172,6 +175,15 @@ void* open_library(const std::vector<std::string>& candidates, const std::string
     errors += std::string("; ") + dlerror();
   }
   fail(ErrorKind::Environment, "cannot load " + what + errors);
+}
+
+bool dtype_of_name(const std::string& name, DType* dtype) {
+  for (const auto& info : kDTypes) {
+    if (name != info.name) continue;
+    *dtype = info.dtype;
+    return true;
+  }
+  return false;
 }
 
 void check_input(const TensorInfo& info, const Tensor& tensor) {

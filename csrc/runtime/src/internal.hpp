@@ -14,9 +14,17 @@ bool file_exists(const std::string& path);
 std::vector<unsigned char> read_file(const std::string& path);
 void* open_library(const std::vector<std::string>& candidates, const std::string& what, std::string* opened);
 void check_input(const TensorInfo& info, const Tensor& tensor);
+bool dtype_of_name(const std::string& name, DType* dtype);  // numpy's name ("float32") to DType
 
 class Bundle;
+struct Tuning;
 std::unique_ptr<Runner> open_onnxruntime(const Bundle& bundle, const Options& options);
 std::unique_ptr<Runner> open_tensorrt(const Bundle& bundle, const Options& options);
+std::unique_ptr<Runner> open_aoti(const Bundle& bundle, const Options& options);
+std::unique_ptr<Runner> open_auto(const Bundle& bundle, const Options& options);
+bool aoti_takes(const Runner& aoti, int64_t batch);  // whether a runner open_aoti made has a package for `batch`
+// Why the tuning table does not describe this machine on GPU `device` ("" when it does; cpu tables
+// always do, the C++ runtime running on the CPU); a build without libtorch says it cannot tell.
+std::string tuning_problem(const Tuning& tuning, int device);
 
 }  // namespace deploykit::detail

@@ -1,11 +1,12 @@
 // deploykit-run: run a deploykit bundle on .npy inputs and write its outputs as .npy files.
 //
 //   deploykit-run BUNDLE --input x=x.npy [--input ...] [--inputs DIR] [-o OUT_DIR]
-//                 [--backend onnxruntime|tensorrt] [--trust-bundle] [--ort-library PATH]
+//                 [--backend auto|onnxruntime|tensorrt|aoti] [--trust-bundle] [--ort-library PATH]
 //                 [--op-library PATH | --no-op-library] [--threads N] [--tensorrt-library PATH] [--plugin PATH] [--engine FILE]
+//                 [--aoti-device cpu|cuda] [--aoti-packages both|static|dynamic] [--aoti-package FILE]
 //                 [--device N] [--repeat N]
 //
-// Native code from the bundle (its op library, an engine's plugins) loads only with --trust-bundle;
+// Native code from the bundle (its op library, an engine's plugins, its AOTInductor packages) loads only with --trust-bundle;
 // --op-library / --plugin bring your own build instead. Exit codes as the Python CLI: 0 ok, 2 bad input or usage, 3 missing environment, 4 internal.
 #include <chrono>
 #include <cstdio>
@@ -18,12 +19,16 @@ namespace {
 
 const char* kUsage =
     "usage: deploykit-run BUNDLE (--input NAME=FILE.npy ... | --inputs DIR) [-o OUT_DIR]\n"
-    "         [--backend onnxruntime|tensorrt] [--trust-bundle] [--ort-library PATH]\n"
+    "         [--backend auto|onnxruntime|tensorrt|aoti] [--trust-bundle] [--ort-library PATH]\n"
     "         [--op-library PATH | --no-op-library] [--threads N]\n"
-    "         [--tensorrt-library PATH] [--plugin PATH] [--engine FILE] [--device N] [--repeat N]\n"
-    "Writes OUT_DIR/<output name>.npy (default OUT_DIR: the current directory).\n"
-    "--trust-bundle loads the bundle's own native code (op library, engine plugins); without it,\n"
-    "pass your own build (--op-library, --plugin) or --no-op-library.\n";
+    "         [--tensorrt-library PATH] [--plugin PATH] [--engine FILE]\n"
+    "         [--aoti-device cpu|cuda] [--aoti-packages both|static|dynamic] [--aoti-package FILE]\n"
+    "         [--device N] [--repeat N]\n"
+    "Writes OUT_DIR/<output name>.npy (default OUT_DIR: the current directory). --backend auto\n"
+    "(the default) is onnxruntime, or the AOTInductor package the bundle's tuning table names for\n"
+    "the batch size on a machine like the one it was tuned on.\n"
+    "--trust-bundle loads the bundle's own native code (op library, engine plugins, AOTInductor\n"
+    "packages); without it, pass your own build (--op-library, --plugin) or --no-op-library.\n";
 
 struct Arguments {
   std::string bundle, inputs_dir, output_dir = ".";
@@ -82,6 +87,12 @@ Arguments parse(int argc, char** argv) {
       args.options.plugin_libraries.push_back(value());
     } else if (arg == "--engine") {
       args.options.engine = value();
+    } else if (arg == "--aoti-device") {
+      args.options.aoti_device = value();
+    } else if (arg == "--aoti-packages") {
+      args.options.aoti_packages = value();
+    } else if (arg == "--aoti-package") {
+      args.options.aoti_package = value();
     } else if (arg == "--device") {
       args.options.device = to_int(value(), arg);
     } else if (arg == "--repeat") {

@@ -1,6 +1,7 @@
-// deploykit runtime for C++: run a deploykit bundle (bundle/model.onnx with our op library, or its
-// TensorRT engine) from a C++ program. The ONNX Runtime and TensorRT libraries are loaded at run
-// time (dlopen), so a program built against this header needs neither to link.
+// deploykit runtime for C++: run a deploykit bundle (bundle/model.onnx with our op library, its
+// TensorRT engine, or its AOTInductor packages) from a C++ program. The ONNX Runtime and TensorRT
+// libraries are loaded at run time (dlopen), so a program built against this header needs neither to
+// link; the AOTInductor path links libtorch and exists only in a build configured with it.
 #pragma once
 
 #include <cstddef>
@@ -51,7 +52,10 @@ Tensor read_npy(const std::string& path);
 void write_npy(const std::string& path, const Tensor& tensor);
 
 struct Options {
-  std::string backend = "onnxruntime";  // or "tensorrt"
+  // "auto": ONNX Runtime, except for the batch sizes the manifest's tuning table (deploykit tune) gives
+  // to an AOTInductor package, on a machine like the one it was tuned on; or "onnxruntime",
+  // "tensorrt", "aoti" (a build with libtorch).
+  std::string backend = "auto";
   // Native code from the bundle (its op library, an engine's plugin code) is loaded only when
   // trust_native is set, or is replaced by the caller's own library (op_library_path, plugin_libraries).
   // Every bundle file opened is checked first: inside the bundle and matching its manifest sha256.
@@ -71,6 +75,13 @@ struct Options {
   std::vector<std::string> plugin_libraries;
   std::string engine;
   int device = 0;
+  // AOTInductor: the bundle's packages for this device, "cpu" or "cuda" ("" = cuda when the bundle has
+  // cuda packages and libtorch sees a GPU, else cpu); the GPU is `device`.
+  std::string aoti_device;
+  // Which packages: "static", "dynamic" or "both" (each call's static package, else the dynamic one);
+  // or only the one file the manifest lists as aoti_package.
+  std::string aoti_packages = "both";
+  std::string aoti_package;
 };
 
 // What a bundle's model takes and returns.
@@ -93,5 +104,6 @@ class Runner {
 std::unique_ptr<Runner> open_bundle(const std::string& bundle, const Options& options = {});
 
 bool tensorrt_compiled_in();  // whether this build has the TensorRT path
+bool aoti_compiled_in();      // whether this build has the AOTInductor path (libtorch)
 
 }  // namespace deploykit
