@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # On the GPU machine (onnxruntime-gpu importable, see ../shared/GPU.md): the bundles of issue 13 —
 # resnet50, vit_b_16 and a BERT-base-sized encoder (12 layers, hidden 768, sequence 128), fp32 and
-# fp16, batch 1..32 — converted with --tune, then one `deploykit bench` per bundle beside eager
-# PyTorch and torch.compile(mode="reduce-overhead") in the bundle's precision.
-#   OUT=/tmp/results bash benchmarks/run_issue13_device.sh
-# Results: $OUT/<model>-<precision>/{bench.json,bench.md}, $OUT/convert-*.log, $OUT/summary.md.
+# fp16, batch 1..32 — converted with AOTInductor packages (static, batch 1 and 32) and --tune, then
+# one `deploykit bench` per bundle beside eager PyTorch and torch.compile(mode="reduce-overhead") in
+# the bundle's precision.
+#   OUT=/tmp/results bash benchmarks/run_issue13_device.sh [MODEL...]   (default: all three)
+# One model per call fits the device's 10-minute calls; bundles stay in $WORK on a warm machine.
+# Results: $OUT/<model>-<precision>/bench.json, $OUT/convert-*.log, $OUT/summary.md.
 set -uo pipefail
 : "${OUT:?set OUT to a results folder}"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -16,6 +18,7 @@ stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 
 # resnet50's BatchNorm statistics measured on random images (as run_bundles_device.sh does), so
 # activations stay trained-sized; vit_b_16's zero-initialised head gets random weights.
+models=${*:-resnet50 vit_b_16 bert_base}
 python3 - "$work" <<'PY'
 import sys, torch, torchvision
 from deploykit.testing import calibrate_batch_norm
@@ -36,17 +39,18 @@ convert() {  # model precision
   local extra=(); [ "$1" = resnet50 ] && [ "$2" = fp16 ] && extra=(--tolerance atol=0.1)  # see run_bundles_device.sh
   # shellcheck disable=SC2086
   python3 -m deploykit convert "$work/$1.pt" --factory "${factory[$1]}" ${inputs[$1]} --batch 1:1:32 \
-    --precision "$2" "${extra[@]}" --tune -o "$work/$1-$2" --force > "$OUT/convert-$1-$2.log" 2>&1
+    --precision "$2" "${extra[@]}" --backend aoti --aoti-shapes static --tune -o "$work/$1-$2" --force \
+    > "$OUT/convert-$1-$2.log" 2>&1
   echo "convert $1 $2: exit $?"
 }
-for precision in fp16 fp32; do  # three conversions at a time: validation is CPU-bound, the GPU idle
-  for model in resnet50 vit_b_16 bert_base; do convert "$model" "$precision" & done
+for model in $models; do  # fp16 and fp32 side by side: validation and compiling are CPU-bound
+  for precision in fp16 fp32; do convert "$model" "$precision" & done
   wait
-  stamp "converted $precision"
+  stamp "converted $model"
 done
 
-only=pytorch,reduce-overhead,ort-deploykit,ort-cuda-graph,deploykit-load
-for model in resnet50 vit_b_16 bert_base; do
+only=pytorch,reduce-overhead,ort-deploykit,ort-cuda-graph,aoti-static,deploykit-load
+for model in $models; do
   for precision in fp16 fp32; do
     keys=$only; [ "$precision" != fp32 ] && keys="$keys,pytorch-$precision,reduce-overhead-$precision"
     python3 -m deploykit bench "$work/$model-$precision" --model "$work/$model.pt" --factory "${factory[$model]}" \

@@ -1,5 +1,6 @@
 """The issue-13 table from run_issue13_device.sh's bench.json files: per model, precision and batch,
-eager PyTorch, torch.compile(mode="reduce-overhead"), deploykit.load(bundle) (what users get) and
+eager PyTorch, torch.compile(mode="reduce-overhead"), deploykit.load(bundle) (what users get), the
+AOTInductor packages and
 ONNX Runtime's floor (a hand-written IOBinding + CUDA graph) beside our runner, p50 ms.
 
     python benchmarks/summarize_issue13.py RESULTS_FOLDER > summary.md
@@ -15,6 +16,7 @@ COLUMNS = {  # column -> bench key, by the bundle's precision
     "eager": {"fp32": "pytorch", "fp16": "pytorch-fp16"},
     "reduce-overhead": {"fp32": "reduce-overhead", "fp16": "reduce-overhead-fp16"},
     "deploykit.load": {"fp32": "deploykit-load", "fp16": "deploykit-load"},
+    "AOTI static": {"fp32": "aoti-static", "fp16": "aoti-static"},
     "ORT runner": {"fp32": "ort-deploykit", "fp16": "ort-deploykit"},
     "ORT floor": {"fp32": "ort-cuda-graph", "fp16": "ort-cuda-graph"},
 }
