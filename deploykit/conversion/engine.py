@@ -17,7 +17,8 @@ from deploykit.native import build as native
 from deploykit.backends.tensorrt.builder import EngineBuild, build_engine
 from deploykit.backends.tensorrt.compat import engine_problem_here
 from deploykit.backends.tensorrt.runner import TensorRTRunner
-from deploykit.backends.tensorrt.shim import load_tensorrt, local_gpus
+from deploykit.backends.tensorrt.failures import EngineBuildError, refused_targets
+from deploykit.backends.tensorrt.shim import load_tensorrt, local_gpus, rtx_targets
 from deploykit.errors import EnvironmentProblem
 from deploykit.ops import custom_op_types
 from deploykit.specs import BatchRange, InputSpec
@@ -39,6 +40,7 @@ class EngineStage:
             "flavour": self.build.flavour,
             "version": self.build.version,
             "targets": list(self.build.targets),
+            "skipped_targets": [failure.to_json() for failure in self.build.skipped],
             "plugin_library_sha256": self.plugin_sha256,
             "plugin_layers": len(self.build.plugin_layers),
             "plugin_layer_list": [dict(layer) for layer in self.build.plugin_layers],
@@ -57,15 +59,19 @@ def build_tensorrt_stage(
     precision: str = "fp32",
 ) -> EngineStage:
     plugin_library = _plugin_library(model)
-    build = build_engine(
-        model.SerializeToString(),
-        plugin_library=plugin_library,
-        batch=(batch.min, batch.opt, batch.max) if batch else None,
-        input_shapes={spec.name: spec.shape for spec in specs},
-        targets=targets,
-        workspace_bytes=workspace_bytes,
-        timing_cache=native.cache_dir() / f"{build_flavour_key()}.timing-cache",
-    )
+    try:
+        build = build_engine(
+            model.SerializeToString(),
+            plugin_library=plugin_library,
+            batch=(batch.min, batch.opt, batch.max) if batch else None,
+            input_shapes={spec.name: spec.shape for spec in specs},
+            targets=targets,
+            workspace_bytes=workspace_bytes,
+            timing_cache=native.cache_dir() / f"{build_flavour_key()}.timing-cache",
+        )
+    except EngineBuildError as error:
+        fixes = " or ".join(_fixes(error, model, precision))
+        raise EngineBuildError(f"{error}; to get an engine: {fixes}", error.failures, error.targets) from error
     if plugin_library is not None and len(build.plugin_layers) != _custom_node_count(model):
         raise EnvironmentProblem(
             f"TensorRT made {len(build.plugin_layers)} plugin layers for {_custom_node_count(model)} deploykit "
@@ -77,6 +83,22 @@ def build_tensorrt_stage(
     sha = hashlib.sha256(Path(plugin_library).read_bytes()).hexdigest() if plugin_library else None
     targets_text = "_".join("sm" + t.replace(".", "") for t in build.targets)
     return EngineStage(build, f"model.{precision}.{targets_text}.engine", sha, runner, note)
+
+
+def _fixes(error: EngineBuildError, model: onnx.ModelProto, precision: str) -> list[str]:
+    """The convert options that avoid what TensorRT refused: other targets, fp16, no plugins."""
+    fixes = []
+    refused = refused_targets(error.failures)
+    flavour = load_tensorrt()
+    if refused and flavour.is_rtx:
+        others = [t for t in error.targets if t not in refused] or [t for t in rtx_targets(flavour) if t not in refused]
+        fixes.append(f"--trt-targets {','.join(others)} (without {', '.join(refused)})")
+    if precision == "fp32":
+        fixes.append("--precision fp16")
+    custom = {node.name for node in model.graph.node if node.op_type in custom_op_types(model)}
+    if custom and any(f.layer is None or f.layer in custom for f in error.failures):
+        fixes.append("--no-custom-ops")
+    return [*fixes, "--backend onnxruntime (no engine)"]
 
 
 def _where(build: EngineBuild) -> str:
