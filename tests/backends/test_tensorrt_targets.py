@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from deploykit.backends.tensorrt import builder, compat, failures, shim
 from deploykit.bundle import schema
 from deploykit.errors import EXIT_ENVIRONMENT
+from deploykit.tools import doctor
 
 try:
     RTX = shim.load_tensorrt("tensorrt-rtx")
@@ -85,7 +86,8 @@ ENGINE = {"file": "m.engine", "flavour": "tensorrt-rtx", "version": "1.7.1.116",
 def test_a_turing_gpu_hears_why_the_engine_skipped_it():
     installed = (ENGINE["version"], shim.rtx_targets(RTX))
     problem = compat.engine_problem({**ENGINE, "skipped_targets": [SKIPPED]}, installed, (("Tesla T4", "7.5"),))
-    assert "layer node_linear: FP32 GEMM is not supported" in problem and "--precision fp16" in problem
+    assert "refused layer node_linear there (FP32 GEMM is not supported)" in problem
+    assert doctor._engine_fix(problem) == "convert with --precision fp16 --trt-targets 7.5"
     assert compat.engine_problem(ENGINE, installed, (("Tesla T4", "7.5"),)).endswith("--trt-targets 7.5")
 
 

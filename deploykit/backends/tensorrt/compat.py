@@ -36,9 +36,9 @@ def engine_problem(engine: Mapping, installed: tuple[str | None, tuple[str, ...]
     targets = engine.get("targets")
     skipped = next((s for s in engine.get("skipped_targets") or [] if s.get("target") == capability), None)
     if skipped:
-        layer = f"layer {skipped['layer']}: " if skipped.get("layer") else ""
-        return (f"the engine was not built for compute capability {capability} ({name}): TensorRT refused "
-                f"{layer}{skipped['reason']}; convert with --precision fp16 --trt-targets {capability}")
+        layer = f"layer {skipped['layer']}" if skipped.get("layer") else "a layer"
+        return (f"the engine was not built for compute capability {capability} ({name}), TensorRT refused "
+                f"{layer} there ({skipped['reason']}): convert with --precision fp16 --trt-targets {capability}")
     if targets is not None and capability not in targets:
         return (f"the engine was built for compute capability {', '.join(targets)} and this "
                 f"{name} is {capability}: convert with --trt-targets {capability}")
