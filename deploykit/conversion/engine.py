@@ -18,9 +18,9 @@ from deploykit.backends.tensorrt.builder import EngineBuild, build_engine
 from deploykit.backends.tensorrt.compat import engine_problem_here
 from deploykit.backends.tensorrt.runner import TensorRTRunner
 from deploykit.backends.tensorrt.failures import EngineBuildError, refused_targets
-from deploykit.backends.tensorrt.shim import load_tensorrt, local_gpus, rtx_targets
+from deploykit.backends.tensorrt.shim import load_tensorrt, local_gpus
 from deploykit.errors import EnvironmentProblem
-from deploykit.ops import custom_op_types
+from deploykit.ops import DOMAIN, custom_op_types
 from deploykit.specs import BatchRange, InputSpec
 
 
@@ -71,7 +71,8 @@ def build_tensorrt_stage(
         )
     except EngineBuildError as error:
         fixes = " or ".join(_fixes(error, model, precision))
-        raise EngineBuildError(f"{error}; to get an engine: {fixes}", error.failures, error.targets) from error
+        raise EngineBuildError(f"{error}; to get an engine: {fixes}", error.failures, error.targets,
+                               error.choices) from error
     if plugin_library is not None and len(build.plugin_layers) != _custom_node_count(model):
         raise EnvironmentProblem(
             f"TensorRT made {len(build.plugin_layers)} plugin layers for {_custom_node_count(model)} deploykit "
@@ -89,14 +90,13 @@ def _fixes(error: EngineBuildError, model: onnx.ModelProto, precision: str) -> l
     """The convert options that avoid what TensorRT refused: other targets, fp16, no plugins."""
     fixes = []
     refused = refused_targets(error.failures)
-    flavour = load_tensorrt()
-    if refused and flavour.is_rtx:
-        others = [t for t in error.targets if t not in refused] or [t for t in rtx_targets(flavour) if t not in refused]
+    others = [t for t in error.targets if t not in refused] or [t for t in error.choices if t not in refused]
+    if refused and error.choices and others:
         fixes.append(f"--trt-targets {','.join(others)} (without {', '.join(refused)})")
-    if precision == "fp32":
-        fixes.append("--precision fp16")
-    custom = {node.name for node in model.graph.node if node.op_type in custom_op_types(model)}
-    if custom and any(f.layer is None or f.layer in custom for f in error.failures):
+    if precision == "fp32" and any(f.target or "fp32" in f.reason.lower() for f in error.failures):
+        fixes.append("--precision fp16")  # the per-target refusals TensorRT-RTX 1.7 makes are of fp32 layers
+    ours = {node.name for node in model.graph.node if node.domain == DOMAIN}
+    if ours and any(f.layer is None or f.layer in ours for f in error.failures):
         fixes.append("--no-custom-ops")
     return [*fixes, "--backend onnxruntime (no engine)"]
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+import onnx
+from onnx import helper, numpy_helper
 
 from deploykit.backends.tensorrt import builder, compat, failures, shim
 from deploykit.bundle import schema
+from deploykit.conversion import engine
 from deploykit.errors import EXIT_ENVIRONMENT
 from deploykit.tools import doctor
 
@@ -70,6 +72,7 @@ def test_named_targets_are_built_as_named_or_refused(targets):
     with pytest.raises(failures.EngineBuildError) as error:
         builder.build_engine(linear_head(np.float32), flavour="tensorrt-rtx", targets=targets)
     assert error.value.exit_code == EXIT_ENVIRONMENT and error.value.targets == tuple(targets)
+    assert error.value.choices == shim.rtx_targets(RTX)
     assert "layer head for Turing (7.5): FP32 GEMM is not supported" in str(error.value)
     assert "\n" not in str(error.value)
 
@@ -95,3 +98,20 @@ def test_manifests_with_and_without_skipped_targets_are_read():
     assert schema.Engine.model_validate(ENGINE).skipped_targets == []
     (skipped,) = schema.Engine.model_validate({**ENGINE, "skipped_targets": [SKIPPED]}).skipped_targets
     assert (skipped.target, skipped.layer, skipped.reason) == ("7.5", "node_linear", "FP32 GEMM is not supported")
+
+
+def _graph(*nodes) -> onnx.ModelProto:
+    return helper.make_model(helper.make_graph(list(nodes), "g", [], []))
+
+
+def test_the_conversion_names_the_options_that_avoid_the_refusal():
+    turing = failures.LayerFailure("head", "7.5", "FP32 GEMM is not supported", "Turing")
+    error = failures.EngineBuildError("refused", [turing], ["7.5", "8.6"], shim.rtx_targets(RTX))
+    plain = _graph(helper.make_node("Gemm", ["x", "w"], ["y"], name="head"))
+    assert engine._fixes(error, plain, "fp32") == [
+        "--trt-targets 8.6 (without 7.5)", "--precision fp16", "--backend onnxruntime (no engine)"]
+    assert engine._fixes(error, plain, "fp16")[0] == "--trt-targets 8.6 (without 7.5)"
+    ours = _graph(helper.make_node("FusedBatchNorm", ["x", "s", "b"], ["y"], name="bn0", domain="deploykit"))
+    unnamed = failures.EngineBuildError("parse", [failures.LayerFailure(None, None, "node bn0: bad activation")], [])
+    assert engine._fixes(unnamed, ours, "fp32") == ["--no-custom-ops", "--backend onnxruntime (no engine)"]
+    assert "--no-custom-ops" not in engine._fixes(error, ours, "fp32")  # the refused layer is not ours

@@ -235,6 +235,7 @@ def _serialize(flavour: Flavour, builder, network, config, targets: tuple[str, .
         if explicit or not refused or refused == set(targets):
             failures = (*skipped, *failures)
             asked = tuple(dict.fromkeys([*refused_targets(skipped), *targets]))
-            raise EngineBuildError(_build_message(flavour, failures, asked), failures, asked)
+            choices = rtx_targets(flavour) if flavour.is_rtx else ()
+            raise EngineBuildError(_build_message(flavour, failures, asked), failures, asked, choices)
         skipped += [f for f in failures if f.target in refused]
         targets = tuple(t for t in targets if t not in refused)

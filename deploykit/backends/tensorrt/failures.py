@@ -40,12 +40,14 @@ class LayerFailure:
 class EngineBuildError(EnvironmentProblem):
     """TensorRT cannot build this graph for these targets (exit 3): a limit of the backend, not a bug.
 
-    ``failures`` are the refusals read from the log, ``targets`` what the build was asked for.
+    ``failures`` are the refusals read from the log, ``targets`` what the build was asked for,
+    ``choices`` the targets this TensorRT could be asked for instead (none for plain TensorRT).
     """
 
-    def __init__(self, message: str, failures: Sequence[LayerFailure], targets: Sequence[str]):
+    def __init__(self, message: str, failures: Sequence[LayerFailure], targets: Sequence[str],
+                 choices: Sequence[str] = ()):
         super().__init__(message)
-        self.failures, self.targets = tuple(failures), tuple(targets)
+        self.failures, self.targets, self.choices = tuple(failures), tuple(targets), tuple(choices)
 
 
 def relevant_errors(errors: Iterable[str]) -> list[str]:
