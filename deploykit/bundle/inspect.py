@@ -33,7 +33,7 @@ def describe_bundle(path: Path) -> dict:
         "custom_ops": [op for entry in manifest.get("custom_op_libraries", []) for op in entry["ops"]],
         "op_library": (bundle.op_library or {}).get("file"),
         "engines": [{key: engine.get(key) for key in ("file", "flavour", "version", "targets")}
-                    for engine in bundle.engines],
+                    | {"skipped_targets": engine.get("skipped_targets", [])} for engine in bundle.engines],
         "aoti": [{key: entry.get(key) for key in ("file", "device", "torch", "cuda_arch", "gpu", "cpu_isa", "precision",
                                                   "cuda_graph", "validated")} | {"batch": _range(entry["batch"])}
                  for entry in bundle.aoti],

@@ -77,11 +77,21 @@ class PassStats(Part):
     changes: dict[str, Count]
 
 
+class SkippedTarget(Part):
+    """A compute capability the engine was not built for: TensorRT refused ``layer`` there."""
+
+    target: str
+    reason: str
+    layer: str | None = None
+    architecture: str | None = None
+
+
 class Engine(Part):
     file: FileName
     flavour: Literal["tensorrt", "tensorrt-rtx"]
     version: str
     targets: list[str]
+    skipped_targets: list[SkippedTarget] = []  # absent from manifests written before deploykit recorded them
     validated: bool = False
 
 

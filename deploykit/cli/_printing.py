@@ -1,4 +1,5 @@
-"""What several commands print alike: the validation table, notes and failures, the precision trade-off."""
+"""What several commands print alike: the validation table, notes and failures, the precision trade-off,
+skipped engine targets."""
 
 from __future__ import annotations
 
@@ -23,6 +24,14 @@ def print_validation_table(candidate: dict) -> None:
                 ("[green]pass*[/]" if output["waived"] else "[green]pass[/]") if output["passed"] else "[red]FAIL[/]",
             )
     console.print(table)
+
+
+def skipped_text(engine: dict) -> str:
+    """", not built for 7.5 (Turing: layer node_linear: FP32 GEMM is not supported)" or "" (convert, inspect)."""
+    skipped = [f"{s['target']} ({s.get('architecture') or 'layer'}"
+               f"{': layer ' + s['layer'] if s.get('layer') else ''}: {s['reason']})"
+               for s in engine.get("skipped_targets") or []]
+    return f", not built for {'; '.join(skipped)}" if skipped else ""
 
 
 def print_notes_and_failures(notes: list[str], failures: list[str]) -> None:

@@ -10,7 +10,9 @@ from deploykit.cli._common import (
     console, echo_json, exit_with_verdict, handle_errors, json_option, model_loading_options, parse_with,
     seed_option, stage_printer, tolerance_option, verbose_option,
 )
-from deploykit.cli._printing import print_notes_and_failures, print_tuning_table, print_validation_table, tradeoff_lines
+from deploykit.cli._printing import (
+    print_notes_and_failures, print_tuning_table, print_validation_table, skipped_text, tradeoff_lines,
+)
 
 PRECISIONS = ["fp32", "fp16", "bf16"]
 
@@ -93,7 +95,8 @@ def _print_summary(result) -> None:
     for engine in report["engines"]:
         console.print(
             f"Engine: {engine['file']} ({engine['flavour']} {engine['version']}, targets "
-            f"{', '.join(engine['targets'])}, {engine['plugin_layers']} deploykit plugin layers); {engine['note']}",
+            f"{', '.join(engine['targets'])}, {engine['plugin_layers']} deploykit plugin layers){skipped_text(engine)}; "
+            f"{engine['note']}",
             soft_wrap=True,
         )
     aoti = report.get("aoti")

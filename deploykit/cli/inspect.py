@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from deploykit.cli._common import BUNDLE, console, echo_json, exit_with_verdict, handle_errors, json_option, verbose_option
-from deploykit.cli._printing import print_tuning_table
+from deploykit.cli._printing import print_tuning_table, skipped_text
 
 
 @click.command("inspect")
@@ -47,7 +47,7 @@ def _print_info(info: dict) -> None:
                       "each has an ONNX function fallback)", soft_wrap=True)
     for engine in info["engines"]:
         console.print(f"engine: {engine['file']} ({engine['flavour']} {engine['version']}, "
-                      f"targets {', '.join(engine['targets'] or [])})", soft_wrap=True)
+                      f"targets {', '.join(engine['targets'] or [])}){skipped_text(engine)}", soft_wrap=True)
     for package in info["aoti"]:
         target = (f"compute capability {package['cuda_arch']} ({package['gpu']})" if package["device"] == "cuda"
                   else f"CPU ISA {package['cpu_isa'] or 'any'}")

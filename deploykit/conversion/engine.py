@@ -17,9 +17,10 @@ from deploykit.native import build as native
 from deploykit.backends.tensorrt.builder import EngineBuild, build_engine
 from deploykit.backends.tensorrt.compat import engine_problem_here
 from deploykit.backends.tensorrt.runner import TensorRTRunner
+from deploykit.backends.tensorrt.failures import EngineBuildError, refused_targets
 from deploykit.backends.tensorrt.shim import load_tensorrt, local_gpus
 from deploykit.errors import EnvironmentProblem
-from deploykit.ops import custom_op_types
+from deploykit.ops import DOMAIN, custom_op_types
 from deploykit.specs import BatchRange, InputSpec
 
 
@@ -39,6 +40,7 @@ class EngineStage:
             "flavour": self.build.flavour,
             "version": self.build.version,
             "targets": list(self.build.targets),
+            "skipped_targets": [failure.to_json() for failure in self.build.skipped],
             "plugin_library_sha256": self.plugin_sha256,
             "plugin_layers": len(self.build.plugin_layers),
             "plugin_layer_list": [dict(layer) for layer in self.build.plugin_layers],
@@ -57,15 +59,20 @@ def build_tensorrt_stage(
     precision: str = "fp32",
 ) -> EngineStage:
     plugin_library = _plugin_library(model)
-    build = build_engine(
-        model.SerializeToString(),
-        plugin_library=plugin_library,
-        batch=(batch.min, batch.opt, batch.max) if batch else None,
-        input_shapes={spec.name: spec.shape for spec in specs},
-        targets=targets,
-        workspace_bytes=workspace_bytes,
-        timing_cache=native.cache_dir() / f"{build_flavour_key()}.timing-cache",
-    )
+    try:
+        build = build_engine(
+            model.SerializeToString(),
+            plugin_library=plugin_library,
+            batch=(batch.min, batch.opt, batch.max) if batch else None,
+            input_shapes={spec.name: spec.shape for spec in specs},
+            targets=targets,
+            workspace_bytes=workspace_bytes,
+            timing_cache=native.cache_dir() / f"{build_flavour_key()}.timing-cache",
+        )
+    except EngineBuildError as error:
+        fixes = " or ".join(_fixes(error, model, precision))
+        raise EngineBuildError(f"{error}; to get an engine: {fixes}", error.failures, error.targets,
+                               error.choices) from error
     if plugin_library is not None and len(build.plugin_layers) != _custom_node_count(model):
         raise EnvironmentProblem(
             f"TensorRT made {len(build.plugin_layers)} plugin layers for {_custom_node_count(model)} deploykit "
@@ -77,6 +84,21 @@ def build_tensorrt_stage(
     sha = hashlib.sha256(Path(plugin_library).read_bytes()).hexdigest() if plugin_library else None
     targets_text = "_".join("sm" + t.replace(".", "") for t in build.targets)
     return EngineStage(build, f"model.{precision}.{targets_text}.engine", sha, runner, note)
+
+
+def _fixes(error: EngineBuildError, model: onnx.ModelProto, precision: str) -> list[str]:
+    """The convert options that avoid what TensorRT refused: other targets, fp16, no plugins."""
+    fixes = []
+    refused = refused_targets(error.failures)
+    others = [t for t in error.targets if t not in refused] or [t for t in error.choices if t not in refused]
+    if refused and error.choices and others:
+        fixes.append(f"--trt-targets {','.join(others)} (without {', '.join(refused)})")
+    if precision == "fp32" and any(f.target or "fp32" in f.reason.lower() for f in error.failures):
+        fixes.append("--precision fp16")  # the per-target refusals TensorRT-RTX 1.7 makes are of fp32 layers
+    ours = {node.name for node in model.graph.node if node.domain == DOMAIN}
+    if ours and any(f.layer is None or f.layer in ours for f in error.failures):
+        fixes.append("--no-custom-ops")
+    return [*fixes, "--backend onnxruntime (no engine)"]
 
 
 def _where(build: EngineBuild) -> str:

@@ -12,7 +12,7 @@ import pytest
 
 from deploykit.native import build as native
 from bundle_reports import custom_op_counts
-from deploykit_cli import convert
+from deploykit_cli import convert, run_deploykit
 from model_zoo import save_ddp_state_dict
 
 tensorrt = pytest.importorskip("deploykit.backends.tensorrt.shim")
@@ -58,3 +58,51 @@ def test_engine_with_embedded_plugins(tmp_path, case):
         assert {layer["plugin"] for layer in engine["plugin_layer_list"]} <= {"FusedBatchNorm", "MatMulRelu"}
     else:
         assert engine["plugin_library_sha256"] is None
+
+
+@pytest.fixture
+def no_gpu_targets(monkeypatch):
+    """Hide any GPU from the subprocess: default targets are then every one TensorRT-RTX knows."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    if tensorrt.load_tensorrt().name != "tensorrt-rtx":
+        pytest.skip("plain TensorRT builds for the local GPU only: no default target list to trim")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_linear_head_default_targets_skip_what_tensorrt_refuses(tmp_path, no_gpu_targets, precision):
+    """torchvision's resnet18 ends in a Linear layer, which TensorRT-RTX cannot build in fp32 for Turing."""
+    save_ddp_state_dict("resnet18", tmp_path / "weights.pt")
+    result = convert(tmp_path, "weights.pt", "--factory", "model_zoo:resnet18", "--input", "x:1x3x32x32",
+                     "--precision", precision, "--backend", "all", "-o", "bundle")
+    assert result.returncode == 0, result.stderr
+    bundle = tmp_path / "bundle"
+    (engine,) = json.loads((bundle / "manifest.json").read_text())["engines"]
+    (reported,) = json.loads((bundle / "report.json").read_text())["engines"]
+    every = list(tensorrt.rtx_targets(tensorrt.load_tensorrt()))
+    skipped = [{"target": "7.5", "architecture": "Turing", "layer": "node_linear",
+                "reason": "FP32 GEMM is not supported"}] if precision == "fp32" else []
+    assert engine["skipped_targets"] == reported["skipped_targets"] == skipped
+    assert engine["targets"] == [t for t in every if not skipped or t != "7.5"]
+    assert engine["file"] == f"model.{precision}.{'_'.join('sm' + t.replace('.', '') for t in engine['targets'])}.engine"
+    described = json.loads(run_deploykit("inspect", bundle, "--json").stdout)["engines"][0]
+    assert described["targets"] == engine["targets"] and described["skipped_targets"] == skipped
+    printed = run_deploykit("inspect", bundle, columns=200).stderr  # rich prints to stderr
+    html = (bundle / "report.html").read_text()
+    if skipped:
+        line = "not built for 7.5 (Turing: layer node_linear: FP32 GEMM is not supported)"
+        assert line in result.stderr and line in printed and "FP32 GEMM is not supported" in html
+    else:
+        assert "not built for" not in result.stderr + printed and "Not built for" not in html
+
+
+def test_named_targets_none_can_build_is_one_line_with_the_fix(tmp_path, no_gpu_targets):
+    save_ddp_state_dict("tiny_conv", tmp_path / "weights.pt")
+    result = convert(tmp_path, "weights.pt", "--factory", "model_zoo:tiny_conv", "--input", "x:1x3x8x8",
+                     "--backend", "tensorrt", "--trt-targets", "7.5", "-o", "bundle")
+    assert result.returncode == 3, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert "cannot build the engine for compute capability 7.5: layer node_linear for Turing (7.5): " \
+           "FP32 GEMM is not supported" in line
+    assert "--trt-targets 8.0," in line and "--precision fp16" in line and "internal error" not in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "bundle").exists()

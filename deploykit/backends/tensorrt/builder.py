@@ -12,8 +12,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from deploykit.errors import BadInputError, DeployKitError, EnvironmentProblem
+from deploykit.errors import BadInputError, EnvironmentProblem
 from deploykit.native.stderr import captured_stderr
+from deploykit.backends.tensorrt.failures import EngineBuildError, LayerFailure, layer_failures, refused_targets
 from deploykit.backends.tensorrt.shim import Flavour, ensure_rtx_library_link, load_tensorrt, local_gpus, logger, rtx_targets
 
 
@@ -30,6 +31,7 @@ class EngineBuild:
     version: str
     targets: tuple[str, ...]
     layers: tuple[dict, ...] = ()
+    skipped: tuple[LayerFailure, ...] = ()  # targets left out because TensorRT refused a layer for them
     plugin_library: str | None = None
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
@@ -42,7 +44,9 @@ class EngineBuild:
         return tuple(layer for layer in self.layers if "plugin" in layer)
 
 
-def _set_targets(flavour: Flavour, config, targets: Sequence[str] | None) -> tuple[str, ...]:
+def _choose_targets(flavour: Flavour, targets: Sequence[str] | None) -> tuple[str, ...]:
+    """The compute capabilities to build for: the given ones, checked; else the local GPU's where
+    RTX knows it, else every one RTX knows (the build then drops those the graph cannot use)."""
     gpus = local_gpus()
     if not flavour.is_rtx:
         local = gpus[0][1]  # build_engine checked there is a GPU
@@ -51,17 +55,28 @@ def _set_targets(flavour: Flavour, config, targets: Sequence[str] | None) -> tup
                                 f"targets {list(targets)} need TensorRT-RTX")
         return (local,)
     supported = rtx_targets(flavour)
-    if not targets:  # the local GPU where there is one, else every target RTX knows
+    if not targets:
         targets = [gpus[0][1]] if not isinstance(gpus, str) and gpus[0][1] in supported else supported
     unknown = [t for t in targets if t not in supported]
     if unknown:
         raise BadInputError(f"{flavour.label} cannot build for compute capability {', '.join(unknown)}; "
                             f"it supports {', '.join(supported)}")
+    return tuple(targets)
+
+
+def _set_targets(flavour: Flavour, config, targets: Sequence[str]) -> None:
+    if not flavour.is_rtx:
+        return
     config.num_compute_capabilities = len(targets)
     for index, target in enumerate(targets):
         capability = getattr(flavour.module.ComputeCapability, "SM" + target.replace(".", ""))
         config.set_compute_capability(capability, index)
-    return tuple(targets)
+
+
+def _build_message(flavour: Flavour, failures: Sequence[LayerFailure], targets: Sequence[str]) -> str:
+    """One line: what TensorRT refused, for which compute capabilities."""
+    return (f"{flavour.label} cannot build the engine for compute capability {', '.join(targets)}: "
+            f"{'; '.join(map(str, failures))}")
 
 
 def load_plugin_library(path: str | os.PathLike, flavour: str | None = None) -> str:
@@ -169,7 +184,8 @@ def build_engine(
         else:
             parsed = parser.parse_from_file(str(model))
     if not parsed:
-        raise DeployKitError(f"{flv.label} cannot parse the model: {_parser_error_text(parser, native)}")
+        reason = _parser_error_text(parser, native)
+        raise EngineBuildError(f"{flv.label} cannot parse the model: {reason}", (LayerFailure(None, None, reason),), ())
 
     config = builder.create_builder_config()
     config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED  # layer details for inspect_engine
@@ -181,7 +197,7 @@ def build_engine(
         for name, low, opt, high in shapes:
             profile.set_shape(name, low, opt, high)
         config.add_optimization_profile(profile)
-    built_targets = _set_targets(flv, config, targets)
+    built_targets = _choose_targets(flv, targets)
     if library:
         config.plugins_to_serialize = [library]
         if not flv.is_rtx:
@@ -192,15 +208,34 @@ def build_engine(
         cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
         config.set_timing_cache(cache, ignore_mismatch=True)
 
-    with captured_stderr(native):
-        serialized = builder.build_serialized_network(network, config)
-    errors, warnings = log.take()
-    if serialized is None:
-        detail = "; ".join(errors + [line for line in native if line.startswith("deploykit plugin:")])
-        raise DeployKitError(f"{flv.label} could not build the engine: {detail or 'no reason given'}")
+    serialized, built_targets, skipped, warnings = _serialize(flv, builder, network, config, built_targets,
+                                                             explicit=bool(targets))
     if cache is not None:
         Path(timing_cache).write_bytes(bytes(cache.serialize()))
     return EngineBuild(
-        engine=bytes(serialized), flavour=flv.name, version=flv.version, targets=built_targets,
+        engine=bytes(serialized), flavour=flv.name, version=flv.version, targets=built_targets, skipped=skipped,
         layers=_network_layers(flv, network), plugin_library=library, warnings=tuple(warnings),
     )
+
+
+def _serialize(flavour: Flavour, builder, network, config, targets: tuple[str, ...], explicit: bool):
+    """(engine, targets built, targets skipped, warnings). A target TensorRT refuses a layer for is
+    dropped and the build retried, unless the caller chose the targets: then it is an error."""
+    skipped: list[LayerFailure] = []
+    while True:
+        _set_targets(flavour, config, targets)
+        native: list[str] = []
+        with captured_stderr(native):
+            serialized = builder.build_serialized_network(network, config)
+        errors, warnings = logger(flavour).take()
+        if serialized is not None:
+            return serialized, targets, tuple(skipped), warnings
+        failures = layer_failures(errors + [line for line in native if line.startswith("deploykit plugin:")])
+        refused = set(refused_targets(failures)) & set(targets)
+        if explicit or not refused or refused == set(targets):
+            failures = (*skipped, *failures)
+            asked = tuple(dict.fromkeys([*refused_targets(skipped), *targets]))
+            choices = rtx_targets(flavour) if flavour.is_rtx else ()
+            raise EngineBuildError(_build_message(flavour, failures, asked), failures, asked, choices)
+        skipped += [f for f in failures if f.target in refused]
+        targets = tuple(t for t in targets if t not in refused)

@@ -15,7 +15,7 @@ def engine_problem(engine: Mapping, installed: tuple[str | None, tuple[str, ...]
     """Why this machine cannot run an engine (None: it can). Pure, for doctor and tests.
 
     ``engine`` holds its "flavour", "version" and "targets" (a bundle's engine entry; without
-    "targets", any engine of that TensorRT); ``installed`` is ``shim.installed_tensorrt(flavour)``;
+    "targets", any engine of that TensorRT), and maybe "skipped_targets", the ones TensorRT refused; ``installed`` is ``shim.installed_tensorrt(flavour)``;
     ``gpus`` is ``shim.local_gpus()``: ((name, "major.minor"), ...) or the reason there is no GPU.
     """
     flavour, built = engine["flavour"], engine["version"]
@@ -34,6 +34,11 @@ def engine_problem(engine: Mapping, installed: tuple[str | None, tuple[str, ...]
         return (f"{label} does not run on compute capability {capability} ({name}); it supports "
                 f"{', '.join(rtx_targets)}: install full TensorRT (pip install tensorrt) and convert with it here")
     targets = engine.get("targets")
+    skipped = next((s for s in engine.get("skipped_targets") or [] if s.get("target") == capability), None)
+    if skipped:
+        layer = f"layer {skipped['layer']}" if skipped.get("layer") else "a layer"
+        return (f"the engine was not built for compute capability {capability} ({name}), TensorRT refused "
+                f"{layer} there ({skipped['reason']}): convert with --precision fp16 --trt-targets {capability}")
     if targets is not None and capability not in targets:
         return (f"the engine was built for compute capability {', '.join(targets)} and this "
                 f"{name} is {capability}: convert with --trt-targets {capability}")
