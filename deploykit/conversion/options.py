@@ -15,6 +15,7 @@ class ConvertOptions:
     output: Path
     inputs: list[InputSpec] = dataclasses.field(default_factory=list)
     custom_ops: bool = True
+    ort_fusions: bool = True  # ONNX Runtime's transformer fusions in the ONNX Runtime graph (docs/passes.md)
     backend: str = "onnxruntime"
     trt_targets: list[str] | None = None
     trt_workspace_bytes: int | None = None

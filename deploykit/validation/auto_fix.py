@@ -129,10 +129,11 @@ class FixProblem:
     tolerances: dict[str, Tolerance]
     op_library: Path | None = None
     keep_fp32: dict[str, str] = dataclasses.field(default_factory=dict)
+    target: str = "onnxruntime"  # the runtime the graph is typed for (passes.precision.TARGETS)
 
     def typed(self, pinned: list[PinnedNode]) -> PrecisionResult:
         keep = {**self.keep_fp32, **{p.node: f"auto-fix: {p.reason}" for p in pinned}}
-        return apply_precision(self.fp32, self.precision, self.io_precision, keep, self.ranges)
+        return apply_precision(self.fp32, self.precision, self.io_precision, keep, self.ranges, self.target)
 
     def run(self, result: PrecisionResult) -> dict:
         return run_values(emulate(result.model), self.feeds, self.op_library)
