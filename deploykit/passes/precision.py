@@ -82,6 +82,10 @@ _CONTRIB_OP_TYPES = {
 ORT_FP32_INSIDE = frozenset({"LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
                              "SkipSimplifiedLayerNormalization", "Attention", "MultiHeadAttention",
                              "GroupQueryAttention"})
+#: Additive attention masks of ONNX Runtime's attention ops (input index): -3.4e38 there means "masked".
+#: Clipped to the reduced type's largest finite magnitude they mask the same (softmax gives the
+#: position 0), so a mask never keeps the attention in fp32.
+_SATURATING_INPUTS = {"Attention": {5}, "MultiHeadAttention": {5}}
 #: Which runtime a typed graph is planned for: ONNX Runtime's kernels or TensorRT's layers.
 TARGETS = ("onnxruntime", "tensorrt")
 #: ONNX's name of each reduced type, as schemas and kernel registries spell it.
@@ -303,6 +307,11 @@ def _data_inputs(node: ir.Node) -> list[tuple[int, ir.Value]]:
     return [(i, v) for i, v in enumerate(node.inputs) if i not in fixed and _is_float(v)]
 
 
+def _saturating(node: ir.Node) -> set[int]:
+    """Inputs of ``node`` whose values may be clipped to the reduced type's range (attention masks)."""
+    return _SATURATING_INPUTS.get(node.op_type, set()) if node.domain == CONTRIB_DOMAIN else set()
+
+
 def _takes_part(node: ir.Node) -> bool:
     return bool(_data_inputs(node)) or any(_is_float(v) for v in node.outputs)
 
@@ -342,7 +351,8 @@ class _Planner:
     def _keep_large_values_out(self) -> None:
         """A value too large for the reduced type is never cast to it: its readers stay fp32."""
         for node in self.nodes:
-            large = [v.name for _, v in _data_inputs(node) if self.ranges.get(v.name, 0.0) > self.safe]
+            large = [v.name for i, v in _data_inputs(node)
+                     if i not in _saturating(node) and self.ranges.get(v.name, 0.0) > self.safe]
             if large and self.low[node]:
                 size = self.ranges[large[0]]
                 self._set(node, f"reads {large[0]} (values up to {size:.3g}), "
@@ -433,6 +443,8 @@ class _Writer:
         for index in self.inputs[node]:
             value = node.inputs[index]
             if value.dtype != dtype:
+                if dtype == self.low_type and index in _saturating(node):
+                    value = self._clipped(value, node)
                 node.replace_input_with(index, self._in_type(value, dtype, node))
         for value in self.outputs[node]:
             value.dtype = dtype
@@ -463,6 +475,21 @@ class _Writer:
                 self.graph.insert_before(user, derived.producer())
         self.derived[key] = derived
         return derived
+
+    def _clipped(self, value: ir.Value, user: ir.Node) -> ir.Value:
+        """``value`` clipped to the reduced type's finite range (in fp32), made once and shared."""
+        key = (value.name, "clipped")
+        if key not in self.derived:
+            limit = float(ml_dtypes.finfo(self.low_type.numpy()).max)
+            bounds = [ir.Value(name=f"{value.name}__limit{sign}", type=ir.TensorType(FLOAT), shape=ir.Shape([]),
+                               const_value=ir.tensor(np.array(sign * limit, np.float32))) for sign in (-1, 1)]
+            for bound in bounds:
+                self.graph.register_initializer(bound)
+            clipped = ir.Value(name=f"{value.name}__clipped", type=ir.TensorType(FLOAT), shape=value.shape)
+            node = ir.node("Clip", [value, *bounds], outputs=[clipped], name=f"clip_{value.name}")
+            self.graph.insert_before(user, node)
+            self.derived[key] = clipped
+        return self.derived[key]
 
     def _cast(self, value: ir.Value, dtype: ir.DataType, name: str) -> ir.Value:
         out = ir.Value(name=name, type=ir.TensorType(dtype), shape=value.shape)

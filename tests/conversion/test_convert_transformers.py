@@ -26,6 +26,7 @@ CASES = {  # factory -> (inputs, ONNX Runtime ops the fused graph must have)
 
 
 def converted(tmp_path, name: str, *flags: str) -> tuple[dict, onnx.ModelProto]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     torch.save(getattr(model_zoo, name)().state_dict(), tmp_path / "weights.pt")
     inputs = [arg for spec in CASES[name][0] for arg in ("--input", spec)]
@@ -57,6 +58,7 @@ def test_fused_ops_are_counted_and_validated(tmp_path, name, precision):
         assert labels[:2] == ["deploykit graph fp16, rounding emulated per node", "deploykit graph fp16, onnxruntime-cpu kernels"]
         pinned = {n["op"] for n in report["precision"]["fp32_nodes"]}
         assert not pinned & {"LayerNormalization", "SkipLayerNormalization"}, "fused norms accumulate in fp32"
+        assert "Attention" not in pinned, "the additive mask is clipped to fp16's range, not kept in fp32"
 
 
 @pytest.mark.slow

@@ -234,7 +234,7 @@ def save_ddp_state_dict(name: str, path: Path) -> None:
 
 def _random_head(model: nn.Module) -> nn.Module:
     """torchvision initialises ViT's head to zeros: every output would be 0 and compare trivially."""
-    nn.init.normal_(model.heads.head.weight, std=0.5)
+    nn.init.normal_(model.heads.head.weight, std=model.hidden_dim ** -0.5)
     return model
 
 
