@@ -50,7 +50,8 @@ _LISTED_FP32_NODES = 8
 @json_option("Print the report as JSON on stdout.")
 @verbose_option("Show tracebacks and exporter logs.")
 def convert(model, output, inputs, batch, factory, trust_pickle, exporter, opset, feeds_path, seed, tolerances,
-            precision, io_precision, auto_fix, no_custom_ops, no_ort_fusions, backend, trt_targets, trt_workspace, force, as_json, verbose):
+            precision, io_precision, auto_fix, no_custom_ops, no_ort_fusions, backend, trt_targets, trt_workspace,
+            force, as_json, verbose):
     """Convert MODEL (TorchScript, .pt2, state_dict with --factory) into a validated bundle."""
     from deploykit.api import ConvertOptions, convert as run_convert  # heavy imports after parsing
     from deploykit.specs import BatchRange, InputSpec

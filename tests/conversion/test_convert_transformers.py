@@ -39,7 +39,8 @@ def converted(tmp_path, name: str, *flags: str) -> tuple[dict, onnx.ModelProto]:
 
 
 def contrib_ops(model: onnx.ModelProto) -> dict[str, int]:
-    return dict(collections.Counter(f"{n.domain}::{n.op_type}" for n in model.graph.node if n.domain == "com.microsoft"))
+    ops = (f"{n.domain}::{n.op_type}" for n in model.graph.node if n.domain == "com.microsoft")
+    return dict(collections.Counter(ops))
 
 
 @pytest.mark.slow
@@ -53,9 +54,11 @@ def test_fused_ops_are_counted_and_validated(tmp_path, name, precision):
     assert fusions["changes"]["skip_layer_normalization"] == 4 and fusions["nodes_after"] < fusions["nodes_before"]
     assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param, "batch must stay dynamic"
     labels = [c["label"] for c in report["validation"]["candidates"]]
-    assert len(report["validation"]["batch_sizes"]) == 3 and all(c["passed"] for c in report["validation"]["candidates"])
+    assert len(report["validation"]["batch_sizes"]) == 3
+    assert all(c["passed"] for c in report["validation"]["candidates"])
     if precision == "fp16":
-        assert labels[:2] == ["deploykit graph fp16, rounding emulated per node", "deploykit graph fp16, onnxruntime-cpu kernels"]
+        assert labels[:2] == ["deploykit graph fp16, rounding emulated per node",
+                              "deploykit graph fp16, onnxruntime-cpu kernels"]
         pinned = {n["op"] for n in report["precision"]["fp32_nodes"]}
         assert not pinned & {"LayerNormalization", "SkipLayerNormalization"}, "fused norms accumulate in fp32"
         assert "Attention" not in pinned, "the additive mask is clipped to fp16's range, not kept in fp32"
