@@ -17,7 +17,6 @@ import onnx_ir as ir
 
 from deploykit.bundle.format import REFERENCE_MODEL
 from deploykit.validation.auto_fix import FixProblem, FixResult, auto_fix, is_low, tradeoff
-from deploykit.backends.onnxruntime import loader
 from deploykit.backends.onnxruntime.runner import OnnxRuntimeRunner
 from deploykit.errors import DeployKitError
 from deploykit.passes.ort_fusions import CONTRIB_DOMAIN
@@ -105,8 +104,7 @@ def typed_runner(model: onnx.ModelProto, precision: str, op_library: Path | None
     missing = ort_cpu_missing_kernels(model, precision)
     listed = f"no {precision} CPU kernel for {', '.join(missing)}" if missing else ""
     try:
-        runner = OnnxRuntimeRunner(loader.create_session(float_io(model), _typed_cpu_options(op_library)),
-                                   library=op_library)
+        runner = OnnxRuntimeRunner.from_model(float_io(model), op_library)
     except DeployKitError as error:
         return None, f"not executed on the CPU: ONNX Runtime has {listed or 'no kernel for it'} ({error})"
     if missing is None:
@@ -120,17 +118,6 @@ def typed_runner(model: onnx.ModelProto, precision: str, op_library: Path | None
         f"rounds only where the graph casts, which understates {precision} error; the verdict comes from the "
         "per-node rounding emulation"
     )
-
-
-def _typed_cpu_options(op_library: Path | None):
-    """Session options for a typed graph on the CPU: rewrites up to "extended". The "all" level adds
-    the NCHWc layout rewrite of fp32 Convs, which crashed ONNX Runtime 1.32 (segfault at session
-    creation) on fp16 ViT graphs whose LayerNormalization runs in fp16."""
-    import onnxruntime
-
-    options = loader.session_options(op_library=op_library)
-    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-    return options
 
 
 def ort_cpu_missing_kernels(model: onnx.ModelProto, precision: str) -> list[str] | None:

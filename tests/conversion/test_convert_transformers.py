@@ -8,11 +8,15 @@ patterns) and a small transformers BertModel (attention fused) with a dynamic ba
 import collections
 import json
 
+import numpy as np
 import onnx
 import pytest
 import torch
 
+import deploykit
 import model_zoo
+from deploykit.specs import InputSpec
+from deploykit.validation.inputs import random_feeds
 from deploykit_cli import convert
 
 pytest.importorskip("transformers")
@@ -62,6 +66,11 @@ def test_fused_ops_are_counted_and_validated(tmp_path, name, precision):
         pinned = {n["op"] for n in report["precision"]["fp32_nodes"]}
         assert not pinned & {"LayerNormalization", "SkipLayerNormalization"}, "fused norms accumulate in fp32"
         assert "Attention" not in pinned, "the additive mask is clipped to fp16's range, not kept in fp32"
+        # the fp16 bundle also loads and runs on the CPU provider (ONNX Runtime 1.32 crashed there on
+        # fp16 ViT graphs until its NCHWc rewrite was left out)
+        runner = deploykit.load(tmp_path / "bundle", device="cpu")
+        feeds = random_feeds([InputSpec.parse(spec) for spec in CASES[name][0]], seed=5)
+        assert np.isfinite(runner.run(feeds)["output"]).all()
 
 
 @pytest.mark.slow

@@ -232,16 +232,17 @@ def save_ddp_state_dict(name: str, path: Path) -> None:
     torch.save({"state_dict": {f"module.{k}": v for k, v in model.state_dict().items()}}, path)
 
 
-def _random_head(model: nn.Module) -> nn.Module:
-    """torchvision initialises ViT's head to zeros: every output would be 0 and compare trivially."""
-    nn.init.normal_(model.heads.head.weight, std=model.hidden_dim ** -0.5)
+def _random_head(model: nn.Module, std: float) -> nn.Module:
+    """torchvision initialises ViT's head to zeros: every output would be 0 and compare trivially.
+    ``std`` keeps the logits apart enough that fp16 rounding does not swap near-tied classes."""
+    nn.init.normal_(model.heads.head.weight, std=std)
     return model
 
 
 def vit_tiny() -> nn.Module:
     """torchvision's ViT at a size CI converts in seconds: 32x32 images, 8x8 patches, 2 layers, hidden 64."""
     return _random_head(torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
-                                                             hidden_dim=64, mlp_dim=128, num_classes=17))
+                                                             hidden_dim=64, mlp_dim=128, num_classes=5), std=0.5)
 
 
 class BertEncoder(nn.Module):
@@ -273,4 +274,4 @@ def bert_base() -> nn.Module:
 
 
 def vit_b_16() -> nn.Module:
-    return _random_head(torchvision.models.vit_b_16())
+    return _random_head(torchvision.models.vit_b_16(), std=768 ** -0.5)
