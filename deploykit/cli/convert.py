@@ -42,6 +42,8 @@ _LISTED_FP32_NODES = 8
 @click.option("--auto-fix", is_flag=True, help="If validation fails, pin the nodes that diverge to fp32 and retry.")
 @click.option("--no-custom-ops", is_flag=True,
               help="Write plain ONNX: no deploykit::FusedBatchNorm / MatMulRelu nodes.")
+@click.option("--no-ort-fusions", is_flag=True,
+              help="Leave attention, layer norms and Gelu unfused: no ONNX Runtime contrib ops in the graph.")
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "aoti", "all"]), default="onnxruntime",
               show_default=True, help="tensorrt/all also build a TensorRT engine (TensorRT or TensorRT-RTX); "
               "aoti/all also compile AOTInductor packages (all: on a GPU only; docs/aoti.md).")
@@ -55,8 +57,8 @@ _LISTED_FP32_NODES = 8
 @json_option("Print the report as JSON on stdout.")
 @verbose_option("Show tracebacks and exporter logs.")
 def convert(model, output, inputs, batch, factory, trust_pickle, exporter, opset, feeds_path, seed, tolerances,
-            precision, io_precision, auto_fix, no_custom_ops, backend, aoti_shapes, trt_targets, trt_workspace, tune, force,
-            as_json, verbose):
+            precision, io_precision, auto_fix, no_custom_ops, no_ort_fusions, backend, aoti_shapes, trt_targets,
+            trt_workspace, tune, force, as_json, verbose):
     """Convert MODEL (TorchScript, .pt2, state_dict with --factory) into a validated bundle."""
     from deploykit.api import ConvertOptions, convert as run_convert  # heavy imports after parsing
     from deploykit.specs import BatchRange, InputSpec
@@ -66,7 +68,7 @@ def convert(model, output, inputs, batch, factory, trust_pickle, exporter, opset
         batch=parse_with(BatchRange.parse, batch, "--batch") if batch else None,
         factory=factory, trust_pickle=trust_pickle, exporter=exporter, opset=opset,
         feeds_path=feeds_path, seed=seed, tolerances=list(tolerances), force=force,
-        custom_ops=not no_custom_ops, backend=backend, aoti_shapes=aoti_shapes,
+        custom_ops=not no_custom_ops, ort_fusions=not no_ort_fusions, backend=backend, aoti_shapes=aoti_shapes,
         precision=precision, io_precision=io_precision, auto_fix=auto_fix, tune=tune,
         trt_targets=[t.strip() for t in trt_targets.split(",")] if trt_targets else None,
         trt_workspace_bytes=trt_workspace << 20 if trt_workspace else None,
@@ -92,6 +94,8 @@ def _print_summary(result) -> None:
     custom = report["custom_ops"]
     if custom["ops"]:
         console.print(f"Custom ops: {', '.join(custom['ops'])}; {custom['note']}")
+    if fused := report["ort_fusions"]["ops"]:
+        console.print(f"ONNX Runtime fused ops: {', '.join(f'{op} {n}' for op, n in fused.items())}")
     for engine in report["engines"]:
         console.print(
             f"Engine: {engine['file']} ({engine['flavour']} {engine['version']}, targets "

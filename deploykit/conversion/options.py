@@ -15,6 +15,7 @@ class ConvertOptions:
     output: Path
     inputs: list[InputSpec] = dataclasses.field(default_factory=list)
     custom_ops: bool = True
+    ort_fusions: bool = True  # ONNX Runtime's transformer fusions in the ONNX Runtime graph (docs/passes.md)
     backend: str = "onnxruntime"  # onnxruntime | tensorrt | aoti | all
     aoti_shapes: str = "both"  # AOTInductor packages: dynamic (one over the batch range), static (one per validated size), both
     trt_targets: list[str] | None = None

@@ -38,6 +38,7 @@ from deploykit.conversion.state import ConversionState
 from deploykit.errors import BadInputError, DeployKitError, error_summary
 from deploykit.ops import custom_op_types
 from deploykit.passes import run_passes
+from deploykit.passes.ort_fusions import ort_only_ops
 from deploykit.passes.precision import check_precision
 from deploykit.report import render_html
 from deploykit.specs import BatchRange, InputSpec
@@ -112,13 +113,23 @@ def _export(state: ConversionState) -> None:
 
 
 def _optimize(state: ConversionState) -> None:
-    state.optimized, state.pass_stats = run_passes(state.exported.model, custom_ops=state.options.custom_ops)
+    options = state.options
+    state.optimized, state.pass_stats = run_passes(state.exported.model, custom_ops=options.custom_ops,
+                                                   ort_fusions=options.ort_fusions)
+
+
+def _optimize_portable(state: ConversionState) -> None:
+    state.portable, _ = run_passes(state.exported.model, custom_ops=state.options.custom_ops, ort_fusions=False)
 
 
 def _write_precision(state: ConversionState) -> None:
     options = state.options
     state.precision = PrecisionStage.start(state.optimized, options.precision, options.io_precision, state.example)
     state.typed = state.precision.model
+    if _tensorrt_requested(state):
+        graph = state.portable if state.portable is not None else state.optimized
+        state.engine_precision = PrecisionStage.start(graph, options.precision, options.io_precision,
+                                                      state.example, target="tensorrt")
 
 
 def _find_op_library(state: ConversionState) -> None:
@@ -127,7 +138,7 @@ def _find_op_library(state: ConversionState) -> None:
 
 def _build_engine(state: ConversionState) -> None:
     options = state.options
-    state.engine = build_tensorrt_stage(state.shipped_graph, state.specs, options.batch, options.trt_targets,
+    state.engine = build_tensorrt_stage(state.engine_graph, state.specs, options.batch, options.trt_targets,
                                         options.trt_workspace_bytes, options.precision)
 
 
@@ -156,6 +167,9 @@ def _validate(state: ConversionState) -> None:
 def _auto_fix(state: ConversionState) -> None:
     state.fixed = state.precision.auto_fix(state.reference, state.feed_sets, state.validations[0],
                                            state.tolerances, state.library.path)
+    if state.engine_precision is not None:
+        state.engine_precision.auto_fix(state.reference, state.feed_sets, state.validations[0], state.tolerances,
+                                        state.library.path)
     if state.engine is not None:
         _build_engine(state)
     state.validations = validate(state.reference, _shipped_candidates(state), state.feed_sets, state.tolerances,
@@ -219,6 +233,11 @@ def _aoti_requested(state: ConversionState) -> bool:
     return state.options.backend in ("aoti", "all")
 
 
+def _tensorrt_needs_portable_graph(state: ConversionState) -> bool:
+    """TensorRT cannot parse ONNX Runtime's contrib ops: it builds from a graph without them."""
+    return _tensorrt_requested(state) and bool(ort_only_ops(state.optimized))
+
+
 def _auto_fix_can_help(state: ConversionState) -> bool:
     """--auto-fix on a reduced-precision graph that failed; the plain export does not decide it."""
     return state.precision is not None and state.options.auto_fix and not state.passed
@@ -230,6 +249,8 @@ STEPS = (
     Step("Running the model in PyTorch", _run_reference),
     Step("Exporting ONNX", _export),
     Step("Optimizing the graph", _optimize),
+    Step("Optimizing the graph for TensorRT (without ONNX Runtime's fused ops)", _optimize_portable,
+         _tensorrt_needs_portable_graph),
     Step("Writing {options.precision} into the graph", _write_precision, _reduced_precision),
     Step("Building deploykit's op library (cached after the first run)", _find_op_library, _uses_deploykit_ops),
     Step("Building the TensorRT engine", _build_engine, _tensorrt_requested),
@@ -242,8 +263,21 @@ STEPS = (
 
 
 def _shipped_candidates(state: ConversionState) -> dict:
-    return _candidates(state.exported.model, state.shipped_graph, state.library, state.engine, state.precision,
-                       state.aoti)
+    candidates = _candidates(state.exported.model, state.shipped_graph, state.library, state.engine,
+                             state.precision, state.aoti)
+    if state.engine is not None and state.engine.runner is None and state.engine_graph is not state.shipped_graph:
+        # The engine cannot run here: the graph it was built from stands in for it.
+        *shipped, plain = candidates.items()
+        candidates = dict([*shipped, *_engine_graph_candidates(state).items(), plain])
+    return candidates
+
+
+def _engine_graph_candidates(state: ConversionState) -> dict:
+    library = state.library.path
+    if state.engine_precision is not None:
+        emulation = state.engine_precision.emulation(library)
+        return {f"tensorrt engine's graph {state.options.precision}, rounding emulated per node": emulation}
+    return {"tensorrt engine's graph": OnnxRuntimeRunner.from_model(state.engine_graph, library)}
 
 
 #: The exporter's graph before any pass: tells where a failure comes from, and is a second fp32

@@ -19,6 +19,7 @@ from deploykit.bundle.format import REFERENCE_MODEL
 from deploykit.validation.auto_fix import FixProblem, FixResult, auto_fix, is_low, tradeoff
 from deploykit.backends.onnxruntime.runner import OnnxRuntimeRunner
 from deploykit.errors import DeployKitError
+from deploykit.passes.ort_fusions import CONTRIB_DOMAIN
 from deploykit.validation.layerwise import run_values
 from deploykit.passes.precision import (ONNX_TYPE_NAMES, PrecisionResult, apply_precision, emulate, float_io,
                                         name_nodes)
@@ -38,18 +39,20 @@ class PrecisionStage:
     ranges: dict[str, float]
     shapes: dict[str, tuple]
     result: PrecisionResult
+    target: str = "onnxruntime"
     execution: str = ""
     fix: FixResult | None = None
 
     @classmethod
     def start(cls, optimized: onnx.ModelProto, precision: str, io_precision: str | None,
-              calibration: dict) -> PrecisionStage:
+              calibration: dict, target: str = "onnxruntime") -> PrecisionStage:
+        """Calibrate and type ``optimized`` for ``target``: ONNX Runtime's graph, or TensorRT's."""
         fp32 = name_nodes(optimized)
         values = run_values(fp32, calibration)
         ranges = {name: _max_abs(array) for name, array in values.items()}
         shapes = {name: array.shape for name, array in values.items()}
-        result = apply_precision(fp32, precision, io_precision, ranges=ranges)
-        return cls(fp32, precision, io_precision, ranges, shapes, result)
+        result = apply_precision(fp32, precision, io_precision, ranges=ranges, target=target)
+        return cls(fp32, precision, io_precision, ranges, shapes, result, target)
 
     @property
     def model(self) -> onnx.ModelProto:
@@ -58,12 +61,15 @@ class PrecisionStage:
     def candidates(self, op_library: Path | None) -> dict:
         """The emulation (the verdict: faithful per-node rounding) and, where ORT can, the typed graph."""
         label = f"deploykit graph {self.precision}"
-        emulation = OnnxRuntimeRunner.from_model(emulate(self.model), op_library)
-        candidates = {f"{label}, rounding emulated per node": emulation}
+        candidates = {f"{label}, rounding emulated per node": self.emulation(op_library)}
         direct, self.execution = typed_runner(self.model, self.precision, op_library)
         if direct is not None:
             candidates[f"{label}, onnxruntime-cpu kernels"] = direct
         return candidates
+
+    def emulation(self, op_library: Path | None) -> OnnxRuntimeRunner:
+        """The typed graph's numerics, per-node rounding in fp32 arithmetic (docs/precision.md)."""
+        return OnnxRuntimeRunner.from_model(emulate(self.model), op_library)
 
     def auto_fix(self, reference, feed_sets: list[dict], validation, tolerances: dict, op_library: Path | None,
                  max_pinned: int = 16) -> onnx.ModelProto:
@@ -71,7 +77,7 @@ class PrecisionStage:
         index = next((i for i, run in enumerate(validation.runs) if not run.passed), 0)
         feeds = feed_sets[index]
         problem = FixProblem(self.fp32, self.precision, self.io_precision, self.ranges, feeds,
-                             reference.run(feeds), tolerances, op_library)
+                             reference.run(feeds), tolerances, op_library, target=self.target)
         self.fix = auto_fix(problem, max_pinned)
         self.result = self.fix.result
         return self.model
@@ -81,6 +87,7 @@ class PrecisionStage:
         return {
             "precision": self.precision,
             "io_precision": self.io_precision,
+            "target": self.target,
             "reference_model": REFERENCE_MODEL,
             "calibration": "fp32 run of the graph on the export inputs (seeded random)",
             "nodes": {self.precision: changes[f"nodes_{self.precision}"], "fp32": changes["nodes_fp32"]},
@@ -129,16 +136,25 @@ def ort_cpu_missing_kernels(model: onnx.ModelProto, precision: str) -> list[str]
         return None
     wanted = ONNX_TYPE_NAMES[precision]
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    versions = {"": opset, CONTRIB_DOMAIN: 1}
     have = {
-        k.op_name for k in kernels
-        if k.provider == "CPUExecutionProvider" and k.domain in ("", "ai.onnx")
-        and k.version_range[0] <= opset <= k.version_range[1]
+        _op_label(k.domain, k.op_name) for k in kernels
+        if k.provider == "CPUExecutionProvider" and _domain(k.domain) in versions
+        and k.version_range[0] <= versions[_domain(k.domain)] <= k.version_range[1]
         and any(wanted in types for types in k.type_constraints.values())
     }
     graph = ir.serde.deserialize_graph(model.graph)
-    reduced = {node.op_type for node in graph
-               if node.domain in ("", "ai.onnx") and any(is_low(v) for v in node.outputs)}
+    reduced = {_op_label(node.domain, node.op_type) for node in graph
+               if _domain(node.domain) in versions and any(is_low(v) for v in node.outputs)}
     return sorted(reduced - have)
+
+
+def _domain(domain: str) -> str:
+    return "" if domain == "ai.onnx" else domain
+
+
+def _op_label(domain: str, op_type: str) -> str:
+    return f"{domain}::{op_type}" if _domain(domain) else op_type
 
 
 def _max_abs(array: np.ndarray) -> float:

@@ -13,6 +13,7 @@ from deploykit.conversion.loading import count_batch_norms
 from deploykit.conversion.state import ConversionState
 from deploykit.ops import custom_op_types
 from deploykit.passes import op_histogram
+from deploykit.passes.ort_fusions import ort_only_ops
 from deploykit.specs import BatchRange, InputSpec
 from deploykit.validation.compare import FP32_NOISE_MARGIN
 
@@ -37,6 +38,7 @@ def build_report(state: ConversionState) -> dict:
             "library": library.path.name if library.path else None,
             "note": library.note,
         },
+        "ort_fusions": _ort_fusions(state),
         "passes": [s.to_json() for s in state.shipped_pass_stats],
         "precision": state.precision.to_json() if state.precision is not None else {"precision": "fp32"},
         "graph": _graph(state),
@@ -98,6 +100,16 @@ def _graph(state: ConversionState) -> dict:
         "ops": [{"name": op, "before": before.get(op, 0), "after": after.get(op, 0)}
                 for op in sorted(set(before) | set(after))],
     }
+
+
+def _ort_fusions(state: ConversionState) -> dict:
+    """The ops only ONNX Runtime runs in the shipped graph, and what the engine was built from."""
+    counts = op_histogram(state.shipped_graph)
+    ops = {op: counts[op] for op in ort_only_ops(state.shipped_graph)}
+    engine_graph = None
+    if state.engine is not None:
+        engine_graph = "the same passes without ort_fusions" if state.portable is not None else "the same graph"
+    return {"enabled": state.options.ort_fusions, "ops": ops, "engine_graph": engine_graph}
 
 
 def _shape_text(spec: InputSpec, batch: BatchRange | None) -> str:

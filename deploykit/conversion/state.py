@@ -38,12 +38,17 @@ class ConversionState:
     feed_sets: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)  # validation's, one per batch size
     # "Exporting ONNX": exported.model is the plain export
     exported: ExportResult | None = None
-    # "Optimizing the graph"
+    # "Optimizing the graph": ONNX Runtime's graph, with its fused contrib ops unless --no-ort-fusions
     optimized: onnx.ModelProto | None = None
     pass_stats: list[PassStats] = dataclasses.field(default_factory=list)
-    # "Writing fp16|bf16 into the graph"; auto-fix updates the stage's result and statistics
+    # "Optimizing the graph for TensorRT": the same passes without ONNX Runtime's fusions; None where
+    # the optimized graph has no op only ONNX Runtime runs
+    portable: onnx.ModelProto | None = None
+    # "Writing fp16|bf16 into the graph"; auto-fix updates the stage's result and statistics.
+    # precision types ONNX Runtime's graph; engine_precision, with a TensorRT engine, TensorRT's graph
     precision: PrecisionStage | None = None
     typed: onnx.ModelProto | None = None
+    engine_precision: PrecisionStage | None = None
     # "Building deploykit's op library"
     library: OpLibrary = OpLibrary(None, "the graph uses no deploykit op")
     # "Building the TensorRT engine"; auto-fix rebuilds it from the fixed graph
@@ -67,6 +72,13 @@ class ConversionState:
     def shipped_graph(self) -> onnx.ModelProto | None:
         """The latest graph: auto-fixed, else typed to the precision, else optimized."""
         return next((g for g in (self.fixed, self.typed, self.optimized) if g is not None), None)
+
+    @property
+    def engine_graph(self) -> onnx.ModelProto | None:
+        """What TensorRT builds from: typed for TensorRT, else the graph without ONNX Runtime's ops."""
+        if self.engine_precision is not None:
+            return self.engine_precision.model
+        return self.portable if self.portable is not None else self.shipped_graph
 
     @property
     def shipped_pass_stats(self) -> list[PassStats]:

@@ -16,18 +16,23 @@ from deploykit.passes.cleanup import FoldConstants, RemoveDeadCode
 from deploykit.passes.fold_bn import FoldBatchNorm
 from deploykit.passes.fuse_batch_norm import FuseBatchNorm
 from deploykit.passes.fuse_matmul_relu import FuseMatMulRelu
+from deploykit.passes.ort_fusions import OrtFusions
 
 #: Constant folding first exposes constant weights; fusions take what folding left.
-PASSES: tuple[GraphPass, ...] = (FoldConstants(), FoldBatchNorm(), FuseBatchNorm(), FuseMatMulRelu(),
-                                 RemoveDeadCode())
+PASSES: tuple[GraphPass, ...] = (FoldConstants(), FoldBatchNorm(), OrtFusions(), FuseBatchNorm(),
+                                 FuseMatMulRelu(), RemoveDeadCode())
 
 
-def run_passes(model: onnx.ModelProto, custom_ops: bool = True) -> tuple[onnx.ModelProto, list[PassStats]]:
-    """Run :data:`PASSES` (without those writing deploykit's ops unless ``custom_ops``)."""
+def run_passes(model: onnx.ModelProto, custom_ops: bool = True,
+               ort_fusions: bool = True) -> tuple[onnx.ModelProto, list[PassStats]]:
+    """Run :data:`PASSES`, without those writing deploykit's ops unless ``custom_ops`` and
+    without those writing ONNX Runtime's contrib ops unless ``ort_fusions``."""
     ir_model = ir.serde.deserialize_model(model)
     # Folding into MatMul needs input ranks: infer shapes the exporter did not record.
     common_passes.ShapeInferencePass()(ir_model)
-    stats = [graph_pass(ir_model).stats for graph_pass in PASSES if custom_ops or not graph_pass.emits_custom_ops]
+    chosen = [graph_pass for graph_pass in PASSES
+              if (custom_ops or not graph_pass.emits_custom_ops) and (ort_fusions or not graph_pass.emits_contrib_ops)]
+    stats = [graph_pass(ir_model).stats for graph_pass in chosen]
     return ir.serde.serialize_model(ir_model), stats
 
 

@@ -59,6 +59,9 @@ class GraphPass(ir.passes.InPlacePass):
     name: str
     #: Whether it writes deploykit's ops, which need the op library (convert --no-custom-ops skips it).
     emits_custom_ops = False
+    #: Whether it writes ONNX Runtime's contrib ops, which only ONNX Runtime runs (convert --no-ort-fusions
+    #: skips it; the TensorRT engine is built without it).
+    emits_contrib_ops = False
 
     def rewrite(self, model: ir.Model) -> dict[str, int]:
         return {}

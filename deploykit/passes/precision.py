@@ -33,6 +33,7 @@ from onnx import version_converter
 from deploykit import ops
 from deploykit.errors import BadInputError
 from deploykit.passes.base import GraphPass, PassStats
+from deploykit.passes.ort_fusions import CONTRIB_DOMAIN
 
 FLOAT = ir.DataType.FLOAT
 LOW_TYPES = {"fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
@@ -69,6 +70,24 @@ _SHAPE_ONLY = {"Shape", "Size"}
 _FIXED_TYPE_INPUTS = {"Resize": {1, 2}, "Upsample": {1}}
 #: Reduced types our kernels and plugins implement (docs/ops.md).
 _CUSTOM_OP_TYPES = {"FusedBatchNorm": {"fp16"}, "MatMulRelu": {"fp16", "bf16"}}
+#: ONNX Runtime's contrib ops that the ort_fusions pass writes, and the reduced types deploykit lets
+#: them run in: those ONNX Runtime's CUDA provider has kernels for (docs/precision.md).
+_CONTRIB_OP_TYPES = {
+    **dict.fromkeys(("SkipLayerNormalization", "SkipSimplifiedLayerNormalization"), {"fp16", "bf16"}),
+    **dict.fromkeys(("Attention", "MultiHeadAttention", "GroupQueryAttention", "RotaryEmbedding",
+                     "BiasGelu", "FastGelu", "Gelu"), {"fp16"}),
+}
+#: Normalisations and attention whose ONNX Runtime kernels read and write the reduced type but
+#: compute mean, variance and softmax sums in fp32: for ONNX Runtime they need no fp32 pin.
+ORT_FP32_INSIDE = frozenset({"LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
+                             "SkipSimplifiedLayerNormalization", "Attention", "MultiHeadAttention",
+                             "GroupQueryAttention"})
+#: Additive attention masks of ONNX Runtime's attention ops (input index): -3.4e38 there means "masked".
+#: Clipped to the reduced type's largest finite magnitude they mask the same (softmax gives the
+#: position 0), so a mask never keeps the attention in fp32.
+_SATURATING_INPUTS = {"Attention": {5}, "MultiHeadAttention": {5}}
+#: Which runtime a typed graph is planned for: ONNX Runtime's kernels or TensorRT's layers.
+TARGETS = ("onnxruntime", "tensorrt")
 #: ONNX's name of each reduced type, as schemas and kernel registries spell it.
 ONNX_TYPE_NAMES = {"fp16": "tensor(float16)", "bf16": "tensor(bfloat16)"}
 
@@ -136,15 +155,16 @@ def apply_precision(
     io_precision: str | None = None,
     keep_fp32: Mapping[str, str] | None = None,
     ranges: dict[str, float] | None = None,
+    target: str = "onnxruntime",
 ) -> PrecisionResult:
-    """The typed graph of ``model`` (left unchanged).
+    """The typed graph of ``model`` (left unchanged), planned for ``target``'s kernels.
 
     ``keep_fp32`` pins nodes to fp32 (node name -> why); ``ranges`` holds the largest
     magnitude of each tensor in an fp32 calibration run.
     """
     check_precision(precision, io_precision)
     ir_model = ir.serde.deserialize_model(_with_opset_for(model, precision))
-    typing = _TypeGraph(precision, io_precision, keep_fp32 or {}, ranges or {})
+    typing = _TypeGraph(precision, io_precision, keep_fp32 or {}, ranges or {}, target)
     stats = typing(ir_model).stats
     return PrecisionResult(ir.serde.serialize_model(ir_model), stats, typing.summary)
 
@@ -153,8 +173,8 @@ class _TypeGraph(GraphPass):
     """The pass itself: plans every node's precision, writes the types and the boundary Casts."""
 
     def __init__(self, precision: str, io_precision: str | None, keep_fp32: Mapping[str, str],
-                 ranges: dict[str, float]):
-        self.name, self.precision = f"precision_{precision}", precision
+                 ranges: dict[str, float], target: str):
+        self.name, self.precision, self.target = f"precision_{precision}", precision, target
         self.io_type = None if io_precision is None else {"fp32": FLOAT, **LOW_TYPES}[io_precision]
         self.keep_fp32, self.ranges = dict(keep_fp32), ranges
         self.summary: list[NodePrecision] = []
@@ -163,7 +183,7 @@ class _TypeGraph(GraphPass):
         common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
         common_passes.ShapeInferencePass(strict_mode=False)(model)
         type_custom_op_outputs(model.graph)
-        planner = _Planner(model, self.precision, self.io_type, self.keep_fp32, self.ranges)
+        planner = _Planner(model, self.precision, self.io_type, self.keep_fp32, self.ranges, self.target)
         low = planner.plan()
         self.summary = planner.summary()
         writer = _Writer(model.graph, LOW_TYPES[self.precision], self.io_type)
@@ -200,11 +220,16 @@ def type_custom_op_outputs(graph: ir.Graph) -> None:
 # --- deciding ---------------------------------------------------------------------------------
 
 
-def policy(node: ir.Node, precision: str, opset: int) -> str | None:
-    """Why ``node`` must compute in fp32 whatever its values, or None."""
+def policy(node: ir.Node, precision: str, opset: int, target: str = "onnxruntime") -> str | None:
+    """Why ``node`` must compute in fp32 on ``target`` whatever its values, or None."""
     if node.domain == ops.DOMAIN:
         supported = _CUSTOM_OP_TYPES.get(node.op_type, set())
         return None if precision in supported else f"deploykit::{node.op_type} has no {precision} kernel"
+    if node.domain == CONTRIB_DOMAIN:
+        supported = _CONTRIB_OP_TYPES.get(node.op_type, set())
+        return None if precision in supported else f"{CONTRIB_DOMAIN}::{node.op_type}: no {precision} kernel known"
+    if target == "onnxruntime" and node.op_type in ORT_FP32_INSIDE:
+        return None
     if node.domain not in ("", "ai.onnx"):
         return f"op of domain {node.domain}: numerics unknown"
     if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
@@ -282,6 +307,11 @@ def _data_inputs(node: ir.Node) -> list[tuple[int, ir.Value]]:
     return [(i, v) for i, v in enumerate(node.inputs) if i not in fixed and _is_float(v)]
 
 
+def _saturating(node: ir.Node) -> set[int]:
+    """Inputs of ``node`` whose values may be clipped to the reduced type's range (attention masks)."""
+    return _SATURATING_INPUTS.get(node.op_type, set()) if node.domain == CONTRIB_DOMAIN else set()
+
+
 def _takes_part(node: ir.Node) -> bool:
     return bool(_data_inputs(node)) or any(_is_float(v) for v in node.outputs)
 
@@ -289,7 +319,8 @@ def _takes_part(node: ir.Node) -> bool:
 class _Planner:
     """Chooses fp32 or the reduced type for every node that handles float tensors."""
 
-    def __init__(self, model: ir.Model, precision: str, io_type, keep_fp32: dict[str, str], ranges: dict):
+    def __init__(self, model: ir.Model, precision: str, io_type, keep_fp32: dict[str, str], ranges: dict,
+                 target: str):
         self.precision, self.ranges = precision, {**_weight_ranges(model.graph), **ranges}
         self.io_low = io_type is not None and io_type != FLOAT
         self.safe = SAFE_MAX[precision]
@@ -298,7 +329,7 @@ class _Planner:
         self.low: dict[ir.Node, bool] = {}
         self.reasons: dict[ir.Node, str] = {}
         for node in self.nodes:
-            reason = keep_fp32.get(node.name) or policy(node, precision, opset)
+            reason = keep_fp32.get(node.name) or policy(node, precision, opset, target)
             self._set(node, reason or self._range_reason(node))
         self._keep_large_values_out()
 
@@ -320,7 +351,8 @@ class _Planner:
     def _keep_large_values_out(self) -> None:
         """A value too large for the reduced type is never cast to it: its readers stay fp32."""
         for node in self.nodes:
-            large = [v.name for _, v in _data_inputs(node) if self.ranges.get(v.name, 0.0) > self.safe]
+            large = [v.name for i, v in _data_inputs(node)
+                     if i not in _saturating(node) and self.ranges.get(v.name, 0.0) > self.safe]
             if large and self.low[node]:
                 size = self.ranges[large[0]]
                 self._set(node, f"reads {large[0]} (values up to {size:.3g}), "
@@ -411,6 +443,8 @@ class _Writer:
         for index in self.inputs[node]:
             value = node.inputs[index]
             if value.dtype != dtype:
+                if dtype == self.low_type and index in _saturating(node):
+                    value = self._clipped(value, node)
                 node.replace_input_with(index, self._in_type(value, dtype, node))
         for value in self.outputs[node]:
             value.dtype = dtype
@@ -441,6 +475,21 @@ class _Writer:
                 self.graph.insert_before(user, derived.producer())
         self.derived[key] = derived
         return derived
+
+    def _clipped(self, value: ir.Value, user: ir.Node) -> ir.Value:
+        """``value`` clipped to the reduced type's finite range (in fp32), made once and shared."""
+        key = (value.name, "clipped")
+        if key not in self.derived:
+            limit = float(ml_dtypes.finfo(self.low_type.numpy()).max)
+            bounds = [ir.Value(name=f"{value.name}__limit{sign}", type=ir.TensorType(FLOAT), shape=ir.Shape([]),
+                               const_value=ir.tensor(np.array(sign * limit, np.float32))) for sign in (-1, 1)]
+            for bound in bounds:
+                self.graph.register_initializer(bound)
+            clipped = ir.Value(name=f"{value.name}__clipped", type=ir.TensorType(FLOAT), shape=value.shape)
+            node = ir.node("Clip", [value, *bounds], outputs=[clipped], name=f"clip_{value.name}")
+            self.graph.insert_before(user, node)
+            self.derived[key] = clipped
+        return self.derived[key]
 
     def _cast(self, value: ir.Value, dtype: ir.DataType, name: str) -> ir.Value:
         out = ir.Value(name=name, type=ir.TensorType(dtype), shape=value.shape)

@@ -18,7 +18,8 @@ import onnx_ir as ir
 
 from deploykit.validation.compare import Tolerance, compare_output
 from deploykit.validation.layerwise import FLOAT_TYPES, LayerDiff, compare_layers, run_values
-from deploykit.passes.precision import FLOAT, LOW_DTYPES, PrecisionResult, apply_precision, emulate, source_name
+from deploykit.passes.precision import (FLOAT, LOW_DTYPES, ORT_FP32_INSIDE, PrecisionResult, apply_precision,
+                                        emulate, source_name)
 
 #: Multiply-adds per output element are counted for these ops; others count one per element.
 _MATRIX_OPS = {"Conv", "ConvTranspose", "MatMul", "Gemm", "MatMulRelu"}
@@ -66,6 +67,12 @@ def _responsible(node: ir.Node, diff: LayerDiff, why: str):
             yield reader, f"reads {source_name(diff.output)}, which {why} when cast to {diff.dtype}"
         return
     if any(is_low(v) for v in node.outputs):
+        if node.op_type in ORT_FP32_INSIDE:
+            # It computes in fp32 inside: the cause is the rounding of what it reads. Its inputs stay
+            # rounded unless both it and the nodes computing them go fp32.
+            for source in _reduced_sources(node):
+                yield source, (f"computes an input that {node.name} ({node.op_type}, fp32 inside) reads "
+                               f"rounded to {diff.dtype}; {node.name} {why}")
         yield node, f"its output {source_name(diff.output)} {why}"
         return
     for value in node.inputs:  # an fp32 node: its reduced-precision inputs are the cause
@@ -75,6 +82,12 @@ def _responsible(node: ir.Node, diff: LayerDiff, why: str):
             if source is not None:
                 yield source, (f"computes {source_name(value.name)}, which fp32 node {diff.node} ({diff.op}) "
                                f"reads rounded to {producer.inputs[0].dtype.name.lower()}; {diff.node} {why}")
+
+
+def _reduced_sources(node: ir.Node) -> list[ir.Node]:
+    """The nodes (other than Casts) that compute ``node``'s reduced-precision inputs."""
+    producers = [value.producer() for value in node.inputs if is_low(value)]
+    return [p for p in producers if p is not None and p.op_type != "Cast"]
 
 
 # --- the auto-fix loop ------------------------------------------------------------------------
@@ -129,10 +142,11 @@ class FixProblem:
     tolerances: dict[str, Tolerance]
     op_library: Path | None = None
     keep_fp32: dict[str, str] = dataclasses.field(default_factory=dict)
+    target: str = "onnxruntime"  # the runtime the graph is typed for (passes.precision.TARGETS)
 
     def typed(self, pinned: list[PinnedNode]) -> PrecisionResult:
         keep = {**self.keep_fp32, **{p.node: f"auto-fix: {p.reason}" for p in pinned}}
-        return apply_precision(self.fp32, self.precision, self.io_precision, keep, self.ranges)
+        return apply_precision(self.fp32, self.precision, self.io_precision, keep, self.ranges, self.target)
 
     def run(self, result: PrecisionResult) -> dict:
         return run_values(emulate(result.model), self.feeds, self.op_library)

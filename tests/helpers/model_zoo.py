@@ -246,3 +246,48 @@ def save_ddp_state_dict(name: str, path: Path) -> None:
     torch.manual_seed(0)
     model = randomize_batch_norm(globals()[name](), seed=1)
     torch.save({"state_dict": {f"module.{k}": v for k, v in model.state_dict().items()}}, path)
+
+
+def _random_head(model: nn.Module, std: float) -> nn.Module:
+    """torchvision initialises ViT's head to zeros: every output would be 0 and compare trivially.
+    ``std`` keeps the logits apart enough that fp16 rounding does not swap near-tied classes."""
+    nn.init.normal_(model.heads.head.weight, std=std)
+    return model
+
+
+def vit_tiny() -> nn.Module:
+    """torchvision's ViT at a size CI converts in seconds: 32x32 images, 8x8 patches, 2 layers, hidden 64."""
+    return _random_head(torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
+                                                             hidden_dim=64, mlp_dim=128, num_classes=5), std=0.5)
+
+
+class BertEncoder(nn.Module):
+    """transformers' BertModel (random weights) taking ids and a mask, returning the hidden states.
+
+    The mask is ``attention_mask > 0``, so that the small random integers of validation inputs are a
+    valid mask with a few padded positions.
+    """
+
+    def __init__(self, layers: int, hidden: int, heads: int):
+        super().__init__()
+        from transformers import BertConfig, BertModel  # a test extra, imported only by the models using it
+
+        config = BertConfig(vocab_size=1000, num_hidden_layers=layers, hidden_size=hidden,
+                            num_attention_heads=heads, intermediate_size=4 * hidden)
+        self.bert = BertModel(config, add_pooling_layer=False)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.bert(input_ids=input_ids, attention_mask=(attention_mask > 0).long()).last_hidden_state
+
+
+def bert_tiny() -> nn.Module:
+    return BertEncoder(layers=2, hidden=64, heads=2)
+
+
+def bert_base() -> nn.Module:
+    """BERT-base's encoder size (12 layers, hidden 768): for measurements, too slow for CI."""
+    return BertEncoder(layers=12, hidden=768, heads=12)
+
+
+def vit_b_16() -> nn.Module:
+    return _random_head(torchvision.models.vit_b_16(), std=768 ** -0.5)

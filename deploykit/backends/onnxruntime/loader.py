@@ -111,11 +111,12 @@ def create_session(model, options=None, chosen_providers: list | None = None, *,
 
     options = options or session_options()
     chosen_providers = chosen_providers or providers()
+    skipped = _crashing_rewrites(model) if _provider_name(chosen_providers[0]) == "CPUExecutionProvider" else []
     if isinstance(model, onnx.ModelProto):
         model = model.SerializeToString()
     try:
         session = ort.InferenceSession(model if isinstance(model, bytes) else str(model), options,
-                                       providers=chosen_providers)
+                                       providers=chosen_providers, disabled_optimizers=skipped)
     except Exception as error:  # noqa: BLE001
         first_line = str(error).splitlines()[0]
         if isinstance(model, bytes):
@@ -125,6 +126,22 @@ def create_session(model, options=None, chosen_providers: list | None = None, *,
         raise EnvironmentProblem(f"onnxruntime's {CUDA_EP} did not start (missing CUDA/cuDNN libraries or GPU); "
                                  "run deploykit doctor")
     return session
+
+
+def _crashing_rewrites(model) -> list[str]:
+    """ONNX Runtime rewrites to leave out on the CPU provider. ONNX Runtime 1.32's NCHWc layout
+    rewrite crashed (segfault at session creation) on fp16 ViT graphs whose layer norms run in
+    fp16; it re-lays fp32 Convs only, so a graph typed to fp16/bf16 loses little without it."""
+    import onnx
+
+    if not isinstance(model, onnx.ModelProto):
+        model = onnx.load_from_string(model) if isinstance(model, bytes) else onnx.load(str(model),
+                                                                                       load_external_data=False)
+    graph, reduced = model.graph, (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+    values = [*graph.input, *graph.value_info, *graph.output]
+    typed = (any(t.data_type in reduced for t in graph.initializer)
+             or any(v.type.tensor_type.elem_type in reduced for v in values))
+    return ["NchwcTransformer"] if typed else []
 
 
 def _provider_name(provider) -> str:
