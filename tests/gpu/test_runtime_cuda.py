@@ -92,8 +92,9 @@ def test_bench_times_every_gpu_contender_with_cuda_events(bundles, tmp_path):
     bench = json.loads(result.stdout)
     assert bench["timing"].startswith("CUDA events")
     entries = {e["key"]: e for e in bench["contenders"]}
-    expected = {"pytorch", "torch-compile", "pytorch-fp16", "torch-compile-fp16", "ort-plain", "ort-functions",
-                "ort-deploykit", "ort-cuda-graph", "baseline", "baseline-cuda-graph"}
+    expected = {"pytorch", "torch-compile", "reduce-overhead", "pytorch-fp16", "torch-compile-fp16",
+                "reduce-overhead-fp16", "ort-plain", "ort-functions", "ort-deploykit", "ort-cuda-graph", "baseline",
+                "baseline-cuda-graph", "deploykit-load"}
     assert {k for k, e in entries.items() if e["status"] == "ok"} == expected, \
         {k: e["reason"] for k, e in entries.items() if e["status"] != "ok"}
     for key in expected:

@@ -88,8 +88,8 @@ def test_load_routes_on_this_gpu_and_ignores_another(tabular, tmp_path):
 
 
 def test_a_graph_with_convolutions_has_nhwc_candidates(tmp_path):
-    bundle, weights = converted(tmp_path, "cancelling", "x:1x8x8x8")
-    table = tune(bundle, weights, "model_zoo:cancelling")
+    bundle, weights = converted(tmp_path, "tiny_conv", "x:1x3x8x8")
+    table = tune(bundle, weights, "model_zoo:tiny_conv")
     nhwc = [c for c in table["choices"][0]["candidates"] if "NHWC" in c["label"]]
     assert len(nhwc) == 2  # with and without CUDA graphs
     assert all(c["p50_ms"] is not None or "prefer_nhwc" in c["reason"] for c in nhwc)
