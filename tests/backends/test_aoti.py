@@ -19,7 +19,7 @@ import torch
 
 import deploykit
 import model_zoo
-from converted_bundles import converted_aoti, edit_manifest
+from converted_bundles import aoti_source_model, converted_aoti, edit_manifest
 from deploykit.backends.aoti import compat
 from deploykit.bundle import trust
 from deploykit.bundle.format import sha256_of
@@ -43,10 +43,7 @@ def bundle() -> Path:
 
 @pytest.fixture(scope="module")
 def model(bundle) -> torch.nn.Module:
-    """The PyTorch model the bundle was converted from."""
-    module = model_zoo.tiny_conv()
-    module.load_state_dict(torch.load(bundle.parent / "tiny_conv.pt"))
-    return module.eval()
+    return aoti_source_model(bundle)
 
 
 def images(batch: int, seed: int = 0) -> np.ndarray:

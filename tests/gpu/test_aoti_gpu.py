@@ -16,8 +16,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU that torch sees", allow_module_level=True)
 
-import model_zoo  # noqa: E402
-from converted_bundles import converted_aoti  # noqa: E402
+from converted_bundles import aoti_source_model, converted_aoti  # noqa: E402
 
 import deploykit  # noqa: E402
 
@@ -31,9 +30,7 @@ def bundle() -> Path:
 
 @pytest.fixture(scope="module")
 def model(bundle) -> torch.nn.Module:
-    module = model_zoo.tiny_conv()
-    module.load_state_dict(torch.load(bundle.parent / "tiny_conv.pt"))
-    return module.eval()
+    return aoti_source_model(bundle)
 
 
 def images(batch: int, seed: int = 0) -> torch.Tensor:

@@ -63,6 +63,13 @@ def converted_aoti(batch: str | None = "1:2:4", *options: str) -> Path:
     return folder / "bundle"
 
 
+def aoti_source_model(bundle: Path) -> torch.nn.Module:
+    """The PyTorch model a ``converted_aoti`` bundle was converted from, in eval mode."""
+    module = model_zoo.tiny_conv()
+    module.load_state_dict(torch.load(bundle.parent / "tiny_conv.pt"))
+    return module.eval()
+
+
 def copy_bundle(name: str, destination: Path) -> Path:
     """A copy of ``converted(name)`` that a test may change."""
     return Path(shutil.copytree(converted(name), destination / name))
