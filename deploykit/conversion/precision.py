@@ -16,12 +16,12 @@ import onnx
 import onnx_ir as ir
 
 from deploykit.bundle.format import REFERENCE_MODEL
-from deploykit.validation.auto_fix import FixProblem, FixResult, auto_fix, is_low, tradeoff
+from deploykit.validation.auto_fix import FixProblem, FixResult, auto_fix, tradeoff
 from deploykit.backends.onnxruntime.runner import OnnxRuntimeRunner
 from deploykit.errors import DeployKitError
 from deploykit.validation.layerwise import run_values
 from deploykit.passes.precision import (ONNX_TYPE_NAMES, PrecisionResult, apply_precision, emulate, float_io,
-                                        name_nodes)
+                                        is_low, name_nodes)
 
 
 @dataclasses.dataclass

@@ -237,6 +237,34 @@ def sum_pooling() -> nn.Module:
     return SumPooling()
 
 
+class ResidualStream(nn.Module):
+    """A pre-LayerNorm transformer's residual stream without attention: the input scaled up,
+    ``blocks`` x (LayerNorm -> MLP, added back), then summed over the tokens.
+
+    The stream carries values of a few hundred to a few thousand: each fp16 rounding of it
+    (every residual Add, the scaling Mul, the token sum) costs a little, no single node much.
+    """
+
+    def __init__(self, blocks: int = 4, scale: float = 300.0, width: int = 32):
+        super().__init__()
+        self.scale = scale
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(blocks))
+        self.mlps = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)) for _ in range(blocks)
+        )
+
+    def forward(self, x):
+        x = x * self.scale
+        for norm, mlp in zip(self.norms, self.mlps):
+            x = x + mlp(norm(x))
+        return x.sum(dim=1)
+
+
+def residual_stream() -> nn.Module:
+    """The issue's case: input x300, four blocks (tokens: the --input shape, 128 in the tests)."""
+    return ResidualStream()
+
+
 # --- weights -------------------------------------------------------------------------------------
 
 
