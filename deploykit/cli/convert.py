@@ -10,7 +10,8 @@ from deploykit.cli._common import (
     console, echo_json, exit_with_verdict, handle_errors, json_option, model_loading_options, parse_with,
     seed_option, stage_printer, tolerance_option, verbose_option,
 )
-from deploykit.cli._printing import print_notes_and_failures, print_tuning_table, print_validation_table, tradeoff_lines
+from deploykit.cli._printing import (print_notes_and_failures, print_tuning_table, print_validation_table, round_lines,
+                                     tradeoff_lines)
 
 PRECISIONS = ["fp32", "fp16", "bf16"]
 
@@ -132,6 +133,7 @@ def _precision_lines(report: dict) -> list[str]:
         lines.append(f"  ... and {len(sensitive) - _LISTED_FP32_NODES} more (report.json lists them)")
     fix = info.get("auto_fix")
     if fix:
+        lines += ["  auto-fix " + line for line in round_lines(fix.get("round_log", []))]
         lines += [f"  auto-fix pinned {p['node']} ({p['op']}): {p['reason']}" for p in fix["pinned"]]
         summary = tradeoff_lines(fix["outputs_before"], fix["outputs_after"], fix["tradeoff"])
         lines += ["  " + line for line in summary]

@@ -67,11 +67,12 @@ class PrecisionStage:
 
     def auto_fix(self, reference, feed_sets: list[dict], validation, tolerances: dict, op_library: Path | None,
                  max_pinned: int = 16) -> onnx.ModelProto:
-        """Pin nodes on the first feed set that failed; the fixed typed graph."""
+        """Pin nodes on the first feed set that failed, checking the others too; the fixed typed graph."""
         index = next((i for i, run in enumerate(validation.runs) if not run.passed), 0)
         feeds = feed_sets[index]
+        others = [(other, reference.run(other)) for i, other in enumerate(feed_sets) if i != index]
         problem = FixProblem(self.fp32, self.precision, self.io_precision, self.ranges, feeds,
-                             reference.run(feeds), tolerances, op_library)
+                             reference.run(feeds), tolerances, op_library, others=others)
         self.fix = auto_fix(problem, max_pinned)
         self.result = self.fix.result
         return self.model
