@@ -336,10 +336,12 @@ class _Search:
     def _why_stopped(self, tried: int) -> str:
         if not self.trials_left:
             return f"the bound of {MAX_GROUP_TRIALS} runs trying groups of nodes is reached"
-        return ("no further node to pin: no single node diverges, and no group of nodes brings the outputs closer "
-                f"to passing ({tried} tried: the high-magnitude path, the chains between fp32 nodes, none over "
-                f"{MAX_GROUP_SHARE:.0%} of the multiply-adds); the remaining error is spread over the "
-                f"{self.problem.precision} nodes: keep --precision fp32, or loosen --tolerance")
+        share = f"{MAX_GROUP_SHARE:.0%} of the multiply-adds"
+        groups = (f"no group of nodes brings the outputs closer to passing ({tried} tried: the high-magnitude "
+                  f"path, the chains between fp32 nodes, none over {share})" if tried
+                  else f"every group of nodes left would pin over {share}")
+        return (f"no further node to pin: no single node diverges, and {groups}; the remaining error is spread "
+                f"over the {self.problem.precision} nodes: keep --precision fp32, or loosen --tolerance")
 
 
 def _choose(tried: list[tuple[Group, _Trial]], current: float):
