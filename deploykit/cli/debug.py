@@ -27,7 +27,8 @@ _SHOWN_ROWS = 12
 @click.option("--batch", type=click.IntRange(min=1),
               help="Batch size of the random inputs (default: the largest validated).")
 @click.option("--max-pinned", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Stop once this many nodes are pinned to fp32 as single culprits (groups are bounded by their cost).")
+              help="Stop once this many nodes are pinned to fp32 as single culprits (groups are bounded "
+                   "by their cost).")
 @click.option("--save", type=click.Path(path_type=Path, dir_okay=False), help="Write the fixed model.onnx here.")
 @click.option("--all", "show_all", is_flag=True, help="List every node, not only those that diverge.")
 @trust_bundle_option

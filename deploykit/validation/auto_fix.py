@@ -188,7 +188,8 @@ class FixProblem:
         """Failures and, per output, how far it is from passing (:func:`tolerance_excess`), on the
         failing inputs (``values``: their run) and on the others."""
         runs = [(values, self.expected)]
-        runs += [(run_values(emulate(result.model), feeds, self.op_library), expected) for feeds, expected in self.others]
+        emulated = emulate(result.model) if self.others else None
+        runs += [(run_values(emulated, feeds, self.op_library), expected) for feeds, expected in self.others]
         failures, excess = [], dict.fromkeys(self.expected, 0.0)
         for run, expected in runs:
             failures += self.check(run, expected)[0]
