@@ -15,6 +15,7 @@ import json
 import numpy as np
 import pytest
 import torch
+import onnx
 from onnx import helper
 
 from deploykit.passes.precision import name_nodes
@@ -127,3 +128,48 @@ def test_a_graph_whose_error_is_in_its_matrix_products_stops_with_a_clear_messag
     assert fix.round_log and not fix.round_log[-1].passed and fix.round_log[-1].error_after > 1
     assert fix.tradeoff["fp32_share_of_multiply_adds"] <= MAX_GROUP_SHARE + 0.01
     assert all(r.share_of_multiply_adds <= MAX_GROUP_SHARE for r in fix.round_log)
+
+
+# --- the candidates, on a hand-built graph ----------------------------------------------------------
+
+
+def test_candidate_groups_come_cheapest_first_and_say_why():
+    """x -> Mul(x300) -> MatMul -> ReduceSum(8 tokens) -> y: the Mul is fp32 (the side of fewer casts),
+    the path groups rank the fp16 nodes by value, the cheap ones leave the MatMul out, and the two
+    fp16 nodes are one chain from the Mul to output y."""
+    import onnx_ir as ir
+
+    from deploykit.passes.precision import apply_precision
+    from deploykit.validation.groups import CHAIN, PATH, candidate_groups
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Mul", ["x", "scale"], ["big"], name="scale_up"),
+             helper.make_node("MatMul", ["big", "w"], ["h"], name="matmul"),
+             helper.make_node("ReduceSum", ["h", "axis"], ["y"], name="sum", keepdims=0)]
+    inits = [tensor("scale", np.array(300.0)), tensor("w", rng.normal(0, 0.2, (16, 16))),
+             onnx.numpy_helper.from_array(np.array([1], dtype=np.int64), "axis")]
+    model = name_nodes(make_model(nodes, inits, {"x": ["N", 8, 16]}, {"y": 2}))
+    feeds = {"x": rng.standard_normal((2, 8, 16)).astype(np.float32)}
+    values = run_values(model, feeds)
+    typed = apply_precision(model, "fp16")
+    assert {n.node for n in typed.nodes if n.precision == "fp16"} == {"matmul", "sum"}
+    names = {n.name for n in model.graph.node}
+    graph = ir.serde.deserialize_graph(typed.model.graph)
+
+    def retype(pinned):
+        return ir.serde.deserialize_graph(apply_precision(model, "fp16", keep_fp32=dict.fromkeys(pinned, "x"))
+                                          .model.graph)
+
+    magnitudes = {k: float(np.abs(v).max()) for k, v in values.items()}
+    shapes = {k: v.shape for k, v in values.items()}
+    groups = candidate_groups(graph, retype, magnitudes, shapes, names, "fp16", budget=1e9)
+    costs = [g.cost for g in groups]
+    assert costs == sorted(costs) and len({frozenset(g.nodes) for g in groups}) == len(groups)
+    first = groups[0]
+    assert first.kind == PATH and list(first.nodes) == ["sum"] and "(no matrix work)" in first.why
+    assert "fp16 steps by" in first.nodes["sum"]
+    whole = next(g for g in groups if g.kind == CHAIN)
+    assert set(whole.nodes) == {"matmul", "sum"} and "between scale_up and output y" in whole.why
+    # the sum with the chain it leaves (the MatMul) is the chain again: kept once
+    assert [set(g.nodes) for g in groups] == [{"sum"}, {"matmul", "sum"}]
+    assert not candidate_groups(graph, retype, magnitudes, shapes, names, "fp16", budget=0)
