@@ -53,8 +53,7 @@ def round_lines(rounds: list[dict]) -> list[str]:
         tried = f", {len(r['tried'])} groups tried cheapest first" if r["tried"] else ""
         lines.append(f"round {r['round']} ({r['kind']}{tried}): pinned {', '.join(r['nodes'])}; "
                      f"{r['multiply_adds']:.3g} multiply-adds ({100 * r['share_of_multiply_adds']:.2f}%); "
-                     f"error after {after} of the tolerance, {verdict}")
-        lines.append(f"  why: {r['why']}")
+                     f"error after {after} of the tolerance, {verdict}; why: {r['why']}")
     return lines
 
 
