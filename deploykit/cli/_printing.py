@@ -53,6 +53,19 @@ def tradeoff_lines(before: dict, after: dict, tradeoff: dict) -> list[str]:
     return lines
 
 
+def round_lines(rounds: list[dict]) -> list[str]:
+    """Each auto-fix round: what it pinned and why, its cost, the error after (debug, convert --auto-fix)."""
+    lines = []
+    for r in rounds:
+        after = "-" if r["error_after"] is None else f"{r['error_after']:.3g}"
+        verdict = "outputs pass" if r["passed"] else "outputs still fail"
+        tried = f", {len(r['tried'])} groups tried cheapest first" if r["tried"] else ""
+        lines.append(f"round {r['round']} ({r['kind']}{tried}): pinned {', '.join(r['nodes'])}; "
+                     f"{r['multiply_adds']:.3g} multiply-adds ({100 * r['share_of_multiply_adds']:.2f}%); "
+                     f"error after {after} of the tolerance, {verdict}; why: {r['why']}")
+    return lines
+
+
 def _output_text(metrics: dict) -> str:
     bad = (metrics.get("nan") or 0) + (metrics.get("inf") or 0)
     text = f"max |d| {_number(metrics.get('max_abs'))}, cosine {_number(metrics.get('cosine'), 7)}"

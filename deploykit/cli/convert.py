@@ -11,7 +11,7 @@ from deploykit.cli._common import (
     seed_option, stage_printer, tolerance_option, verbose_option,
 )
 from deploykit.cli._printing import (
-    print_notes_and_failures, print_tuning_table, print_validation_table, skipped_text, tradeoff_lines,
+    print_notes_and_failures, print_tuning_table, print_validation_table, round_lines, skipped_text, tradeoff_lines,
 )
 
 PRECISIONS = ["fp32", "fp16", "bf16"]
@@ -139,6 +139,7 @@ def _precision_lines(report: dict) -> list[str]:
         lines.append(f"  ... and {len(sensitive) - _LISTED_FP32_NODES} more (report.json lists them)")
     fix = info.get("auto_fix")
     if fix:
+        lines += ["  auto-fix " + line for line in round_lines(fix.get("round_log", []))]
         lines += [f"  auto-fix pinned {p['node']} ({p['op']}): {p['reason']}" for p in fix["pinned"]]
         summary = tradeoff_lines(fix["outputs_before"], fix["outputs_after"], fix["tradeoff"])
         lines += ["  " + line for line in summary]

@@ -10,7 +10,7 @@ from deploykit.cli._common import (
     BUNDLE, EXISTING_FILE, console, echo_json, exit_with_verdict, handle_errors, inputs_option, json_option, seed_option,
     trust_bundle_option, verbose_option,
 )
-from deploykit.cli._printing import print_notes_and_failures, tradeoff_lines
+from deploykit.cli._printing import print_notes_and_failures, round_lines, tradeoff_lines
 
 #: Rows of the layer-wise table printed without --all.
 _SHOWN_ROWS = 12
@@ -27,7 +27,8 @@ _SHOWN_ROWS = 12
 @click.option("--batch", type=click.IntRange(min=1),
               help="Batch size of the random inputs (default: the largest validated).")
 @click.option("--max-pinned", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Stop once this many nodes are pinned to fp32.")
+              help="Stop once this many nodes are pinned to fp32 as single culprits (groups are bounded "
+                   "by their cost).")
 @click.option("--save", type=click.Path(path_type=Path, dir_okay=False), help="Write the fixed model.onnx here.")
 @click.option("--all", "show_all", is_flag=True, help="List every node, not only those that diverge.")
 @trust_bundle_option
@@ -92,6 +93,8 @@ def _print_fix(fix, save: Path | None) -> None:
         table.add_row(pin.node, pin.op, pin.reason, _change(pin.error_before, pin.error_after), pin.symptom,
                       _change(pin.symptom_before, pin.symptom_after))
     console.print(table)
+    for line in round_lines([r.to_json() for r in fix.round_log]):
+        console.print(line, soft_wrap=True)
     for line in tradeoff_lines(fix.outputs_before, fix.outputs_after, fix.tradeoff):
         console.print(line, soft_wrap=True)
     print_notes_and_failures([], fix.failures)

@@ -16,13 +16,13 @@ import onnx
 import onnx_ir as ir
 
 from deploykit.bundle.format import REFERENCE_MODEL
-from deploykit.validation.auto_fix import FixProblem, FixResult, auto_fix, is_low, tradeoff
+from deploykit.validation.auto_fix import FixProblem, FixResult, auto_fix, tradeoff
 from deploykit.backends.onnxruntime.runner import OnnxRuntimeRunner
 from deploykit.errors import DeployKitError
 from deploykit.passes.ort_fusions import CONTRIB_DOMAIN
 from deploykit.validation.layerwise import run_values
 from deploykit.passes.precision import (ONNX_TYPE_NAMES, PrecisionResult, apply_precision, emulate, float_io,
-                                        name_nodes)
+                                        is_low, name_nodes)
 
 
 @dataclasses.dataclass
@@ -73,11 +73,12 @@ class PrecisionStage:
 
     def auto_fix(self, reference, feed_sets: list[dict], validation, tolerances: dict, op_library: Path | None,
                  max_pinned: int = 16) -> onnx.ModelProto:
-        """Pin nodes on the first feed set that failed; the fixed typed graph."""
+        """Pin nodes on the first feed set that failed, checking the others too; the fixed typed graph."""
         index = next((i for i, run in enumerate(validation.runs) if not run.passed), 0)
         feeds = feed_sets[index]
+        others = [(other, reference.run(other)) for i, other in enumerate(feed_sets) if i != index]
         problem = FixProblem(self.fp32, self.precision, self.io_precision, self.ranges, feeds,
-                             reference.run(feeds), tolerances, op_library, target=self.target)
+                             reference.run(feeds), tolerances, op_library, target=self.target, others=others)
         self.fix = auto_fix(problem, max_pinned)
         self.result = self.fix.result
         return self.model

@@ -124,6 +124,11 @@ def check_precision(precision: str, io_precision: str | None, auto_fix: bool = F
         raise BadInputError("--io-precision and --auto-fix apply to reduced precision: add --precision fp16 or bf16")
 
 
+def is_low(value: ir.Value | None) -> bool:
+    """An fp16 or bf16 tensor."""
+    return value is not None and value.dtype in LOW_DTYPES
+
+
 def source_name(name: str) -> str:
     """The fp32 graph's name for a value of the typed graph (strips ``__fp16`` and the like)."""
     for suffix in _SUFFIX.values():

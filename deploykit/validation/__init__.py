@@ -2,5 +2,6 @@
 
 ``compare`` (metrics and tolerances, pure numpy), ``validate`` (the reference and each candidate on the
 same inputs), ``inputs`` (seeded random inputs, user .npz), ``layerwise`` (node-by-node comparison),
-``auto_fix`` (pinning diverging nodes to fp32), ``bundle`` (``deploykit validate``: a bundle again, here).
+``auto_fix`` (pinning diverging nodes to fp32), ``groups`` (the node groups it tries when none diverges),
+``cost`` (multiply-adds per node), ``bundle`` (``deploykit validate``: a bundle again, here).
 """

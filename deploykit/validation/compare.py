@@ -164,6 +164,20 @@ def max_abs_error(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a64[finite] - b64[finite]).max(initial=0.0))
 
 
+def tolerance_excess(ref: np.ndarray, cand: np.ndarray, tol: Tolerance) -> float:
+    """How far ``cand`` is from passing ``tol``'s numeric checks, as one number: the worst of
+    ``|d| / (atol + rtol * |ref|)`` and ``(1 - cosine) / (1 - min_cosine)``; 1 is the edge, inf
+    a shape or NaN/Inf mismatch. Auto-fix ranks what it tries by it; top-1 is not in it."""
+    ref64, cand64 = ref.astype(np.float64).ravel(), cand.astype(np.float64).ravel()
+    if ref.shape != cand.shape or (np.isfinite(ref64) != np.isfinite(cand64)).any():
+        return math.inf
+    finite = np.isfinite(ref64)
+    diff, magnitude = np.abs(ref64[finite] - cand64[finite]), np.abs(ref64[finite])
+    elementwise = float((diff / (tol.atol + tol.rtol * magnitude + _REL_EPS)).max(initial=0.0))
+    cosine_gap = (1.0 - _cosine(ref64[finite], cand64[finite])) / max(1.0 - tol.min_cosine, _REL_EPS)
+    return max(elementwise, cosine_gap)
+
+
 def compare_output(name: str, ref: np.ndarray, cand: np.ndarray, tol: Tolerance) -> OutputComparison:
     if ref.shape != cand.shape:
         return OutputComparison(

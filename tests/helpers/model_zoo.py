@@ -237,6 +237,53 @@ def sum_pooling() -> nn.Module:
     return SumPooling()
 
 
+class ResidualStream(nn.Module):
+    """A pre-LayerNorm transformer's residual stream without attention: the input scaled up,
+    ``blocks`` x (LayerNorm -> MLP, added back), then summed over the tokens.
+
+    The stream carries values of a few hundred to a few thousand, so each fp16 rounding on it (the
+    residual Adds, the scaling Mul, the token sum) costs a little and no single node much.
+    ``embedded``: a Linear embedding before the scaling (its rounding is scaled up too) and a
+    Linear head after the sum (it reads the sum's large values).
+    """
+
+    def __init__(self, blocks: int = 4, scale: float = 300.0, embedded: bool = False, width: int = 32):
+        super().__init__()
+        self.scale = scale
+        self.embed = nn.Linear(width, width) if embedded else nn.Identity()
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(blocks))
+        self.mlps = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)) for _ in range(blocks)
+        )
+        self.head = nn.Linear(width, 10) if embedded else nn.Identity()
+
+    def forward(self, x):
+        x = self.embed(x) * self.scale
+        for norm, mlp in zip(self.norms, self.mlps):
+            x = x + mlp(norm(x))
+        return self.head(x.sum(dim=1))
+
+
+def residual_stream() -> nn.Module:
+    """The issue's case: input x300, four blocks (tokens: the --input shape, 128 in the tests)."""
+    return ResidualStream()
+
+
+def residual_stream_2x30() -> nn.Module:
+    return ResidualStream(blocks=2, scale=30.0)
+
+
+def residual_stream_6x300() -> nn.Module:
+    return ResidualStream(blocks=6, scale=300.0)
+
+
+def embedded_residual_stream_2x300() -> nn.Module:
+    return ResidualStream(blocks=2, scale=300.0, embedded=True)
+
+
+def embedded_residual_stream_4x30() -> nn.Module:
+    return ResidualStream(blocks=4, scale=30.0, embedded=True)
+
 # --- weights -------------------------------------------------------------------------------------
 
 

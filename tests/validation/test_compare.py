@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 
-from deploykit.validation.compare import Tolerance, compare_output, parse_tolerances
+from deploykit.validation.compare import Tolerance, compare_output, parse_tolerances, tolerance_excess
 from deploykit.errors import BadInputError
 
 FP32 = Tolerance.for_precision("fp32")  # atol=1e-4, rtol=1e-3, min_cosine=0.99999, no min_top1
@@ -336,3 +336,14 @@ def test_only_default_numeric_misses_may_be_judged_by_float64(case):
     else:
         result = compare(ref, ref.copy())
     assert not result.may_be_rounding
+
+
+def test_tolerance_excess_is_one_at_the_edge_of_the_tolerance():
+    """Auto-fix ranks graphs by it: the worst element's |d| over its bound, or the cosine's shortfall."""
+    tol = Tolerance.for_precision("fp16")  # atol = rtol = 1e-2
+    ref = np.array([1.0, -100.0, 3.0], dtype=np.float32)
+    edge = ref + np.array([0.02, 0.0, 0.0], dtype=np.float32)  # bound at |ref| = 1: 0.01 + 0.01
+    assert tolerance_excess(ref, edge, tol) == pytest.approx(1.0, rel=1e-4)
+    assert tolerance_excess(ref, ref + np.float32(0.005) * np.sign(ref), tol) < 0.5
+    assert tolerance_excess(ref, np.array([1.0, np.nan, 3.0], dtype=np.float32), tol) == np.inf
+    assert tolerance_excess(ref, -ref, tol) > 1  # cosine -1 and every element off
