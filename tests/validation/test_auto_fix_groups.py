@@ -26,7 +26,9 @@ from deploykit_cli import convert, run_deploykit
 from onnx_graphs import make_model, tensor
 
 #: Ops without matrix work: what the high-magnitude path of these models may pin.
-CHEAP = {"Add", "Mul", "ReduceSum"}
+#: elementwise and normalising nodes: almost no multiply-adds. SkipLayerNormalization is ONNX Runtime's fusion
+#: of a residual Add with the LayerNorm reading it (passes/ort_fusions.py): pinned, it is that Add in fp32.
+CHEAP = {"Add", "Mul", "ReduceSum", "SkipLayerNormalization", "LayerNormalization"}
 
 
 def fp16_convert(tmp_path, factory: str, *extra: str):
@@ -60,19 +62,27 @@ def test_auto_fix_pins_only_cheap_nodes_of_the_residual_stream(tmp_path, factory
     assert fix["passed"] and fix["stopped"] == "outputs pass"
     assert fix["pinned"] and {p["op"] for p in fix["pinned"]} <= CHEAP
     assert all(p["reason"].startswith(("high-magnitude path", "on a chain")) for p in fix["pinned"])
-    assert sum(r["share_of_multiply_adds"] for r in fix["round_log"]) < 0.001
+    assert sum(r["share_of_multiply_adds"] for r in fix["round_log"]) < 0.01  # the sum and fused residual norms
     check_rounds(fix)
     assert "auto-fix round 1 (high-magnitude path" in result.stderr
     page = (tmp_path / "bundle" / "report.html").read_text()
     assert "<th>error after (1 = tolerance)</th>" in page and "high-magnitude path" in page
 
 
-@pytest.mark.parametrize("factory", ["embedded_residual_stream_2x300", "embedded_residual_stream_4x30"])
-def test_auto_fix_adds_the_short_chains_around_the_stream(tmp_path, factory):
+def test_fused_residual_norms_keep_a_shallow_embedded_stream_in_range(tmp_path):
+    """ONNX Runtime's SkipLayerNormalization adds the residual inside, in fp32: at 4 blocks of x30 no pin is needed."""
+    result, report = fp16_convert(tmp_path, "embedded_residual_stream_4x30", "--auto-fix")
+    assert result.returncode == 0 and report["verdict"] == "pass", result.stderr
+    assert report["precision"]["auto_fix"] is None
+    fused = report["ort_fusions"]["ops"]
+    assert sum(n for op, n in fused.items() if op.endswith("SkipLayerNormalization")) == 3, fused  # blocks 2-4
+
+
+def test_auto_fix_adds_the_short_chains_around_the_stream(tmp_path):
     """With an embedding before the scaling and a head after the sum, pinning the stream leaves two
     short fp16 chains (input -> embedding, sum -> head) whose rounding the stream amplifies: only
     those matrix products are pinned, none of the blocks' MLPs."""
-    result, report = fp16_convert(tmp_path, factory, "--auto-fix")
+    result, report = fp16_convert(tmp_path, "embedded_residual_stream_2x300", "--auto-fix")
     assert result.returncode == 0 and report["verdict"] == "pass", result.stderr
     fix = report["precision"]["auto_fix"]
     matrix = [p for p in fix["pinned"] if p["op"] not in CHEAP]
