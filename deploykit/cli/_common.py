@@ -17,6 +17,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 from deploykit import errors
 
@@ -86,7 +87,7 @@ def _fail(message: str, code: int, verbose: bool) -> None:
     if verbose:
         console.print_exception(show_locals=False)
     prefix = "internal error" if code == errors.EXIT_INTERNAL else "error"
-    console.print(f"[bold red]{prefix}:[/] {message}", soft_wrap=True)
+    console.print(f"[bold red]{prefix}:[/] {escape(message)}", soft_wrap=True)  # keeps 'deploykit[gpu]' whole
     sys.exit(code)
 
 

@@ -46,4 +46,4 @@ def build_runtime(with_libtorch, without_tensorrt, force, print_path, as_json, v
         click.echo(build.executable)
     else:
         for line in build.summary():
-            console.print(line, soft_wrap=True)
+            console.print(line, soft_wrap=True, markup=False)
