@@ -152,7 +152,8 @@ def _key(toolchain: native.Toolchain, defines: dict[str, str]) -> str:
                Path(defines["NLOHMANN_JSON_INCLUDE_DIR"]) / "nlohmann" / "json.hpp"]
     if defines["TENSORRT_INCLUDE_DIR"]:
         headers.append(Path(defines["TENSORRT_INCLUDE_DIR"]) / "NvInferVersion.h")
-    sources = sorted(p for p in SOURCES.rglob("*") if p.is_file() and not p.name.startswith("."))
+    sources = sorted(p for p in SOURCES.rglob("*")  # what CMake reads: not the README
+                     if p.is_file() and not p.name.startswith(".") and p.suffix != ".md")
     for path in (*headers, *sources):
         digest.update(str(path).encode() + b"\0" + (path.read_bytes() if path.is_file() else b"-"))
     return digest.hexdigest()[:16]
