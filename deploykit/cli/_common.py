@@ -17,6 +17,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 from deploykit import errors
 
@@ -35,6 +36,7 @@ EXISTING_FILE = click.Path(path_type=Path, exists=True, dir_okay=False)
 @contextlib.contextmanager
 def handle_errors(verbose: bool):
     """Turn an exception into one line and its exit code (2, 3 or 4); the traceback only with --verbose.
+    A missing onnxruntime (neither deploykit[cpu] nor deploykit[gpu] installed) is exit 3 naming them.
 
     SIGTERM stops the command as Ctrl-C does: what it was writing is cleaned up on the way out
     (a staged bundle is removed, an old one stays) and it exits 130.
@@ -49,9 +51,14 @@ def handle_errors(verbose: bool):
     except KeyboardInterrupt:
         console.print("[red]interrupted[/]; nothing was written")
         sys.exit(errors.EXIT_INTERRUPTED)
+    except ModuleNotFoundError as error:
+        from deploykit.backends.onnxruntime import wheels
+
+        if not wheels.missing_import(error):
+            _fail_internal(error, verbose)
+        _fail(f"ONNX Runtime is not installed: {wheels.INSTALL}", errors.EXIT_ENVIRONMENT, verbose)
     except Exception as error:  # anything unforeseen is our bug: say so, exit 4
-        hint = "" if verbose else " (run with --verbose for the traceback)"
-        _fail(f"{type(error).__name__}: {error}{hint}; please report it", errors.EXIT_INTERNAL, verbose)
+        _fail_internal(error, verbose)
 
 
 @contextlib.contextmanager
@@ -71,11 +78,16 @@ def _interrupt(_signum, _frame):
     raise KeyboardInterrupt
 
 
+def _fail_internal(error: BaseException, verbose: bool) -> None:
+    hint = "" if verbose else " (run with --verbose for the traceback)"
+    _fail(f"{type(error).__name__}: {error}{hint}; please report it", errors.EXIT_INTERNAL, verbose)
+
+
 def _fail(message: str, code: int, verbose: bool) -> None:
     if verbose:
         console.print_exception(show_locals=False)
     prefix = "internal error" if code == errors.EXIT_INTERNAL else "error"
-    console.print(f"[bold red]{prefix}:[/] {message}", soft_wrap=True)
+    console.print(f"[bold red]{prefix}:[/] {escape(message)}", soft_wrap=True)  # keeps 'deploykit[gpu]' whole
     sys.exit(code)
 
 

@@ -40,13 +40,15 @@ def doctor(bundle, trust_bundle, as_json, verbose):
 
 
 def _print_checks(checks) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title="deploykit doctor", title_justify="left", show_lines=False)
     for column in ("check", "status", "detail", "fix"):
         table.add_column(column, overflow="fold")
     for check in checks:
-        table.add_row(check.area, _STATUS_STYLE[check.status], check.detail, check.fix if check.status != "ok" else "")
+        fix = check.fix if check.status != "ok" else ""
+        table.add_row(check.area, _STATUS_STYLE[check.status], escape(check.detail), escape(fix))
     console.print(table)
     problems = sum(c.status == "fail" for c in checks)
     console.print(f"[bold red]{problems} problem(s)[/]" if problems else "[green]no problems found[/]")

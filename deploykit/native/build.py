@@ -139,10 +139,11 @@ def build_plugins(force: bool = False, cuda_architectures: str | list | None = N
     return build
 
 
-def prune_builds(keep: int) -> list[Path]:
-    """Delete all but the ``keep`` most recently used builds; one that another process holds
-    (building or reading it) stays. Bundles carry copies of their libraries, so none breaks."""
-    root = cache_dir() / "build"
+def prune_builds(keep: int, root: Path | None = None) -> list[Path]:
+    """Delete all but the ``keep`` most recently used builds under ``root`` (default: the op
+    library's); one that another process holds (building or reading it) stays. Bundles carry
+    copies of their libraries, so none breaks."""
+    root = root or cache_dir() / "build"
     builds = sorted((d for d in root.iterdir() if d.is_dir()), key=_last_used, reverse=True) if root.is_dir() else []
     removed = []
     for old in builds[keep:]:

@@ -11,6 +11,7 @@ from deploykit.bundle import trust
 from deploykit.bundle.read import Bundle, check_validation, open_bundle
 from deploykit.backends.aoti.bundle import load_aoti, runnable_entry
 from deploykit.backends.base.runner import Runner
+from deploykit.backends.onnxruntime import wheels
 from deploykit.backends.onnxruntime.bundle import load_onnxruntime
 from deploykit.backends.onnxruntime.loader import CUDA_EP
 from deploykit.backends.tensorrt.bundle import load_tensorrt_engine
@@ -31,6 +32,7 @@ def parse_device(device: str) -> tuple[str, int]:
 
 
 def ort_has_cuda() -> bool:
+    wheels.require()
     import onnxruntime as ort
 
     return CUDA_EP in ort.get_available_providers()
@@ -105,6 +107,8 @@ def load(bundle: str | Path, backend: str = "auto", device: str = "auto", *, all
         if tuned is not None:
             return _warned(tuned)
     chosen, kind, choice_notes = choose_backend(opened, backend, kind, trust_native)
+    if chosen == "onnxruntime":
+        wheels.require()
     notes += choice_notes
     if chosen == "aoti":
         unknown = sorted(set(options) - set(AOTI_OPTIONS))

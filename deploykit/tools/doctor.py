@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 from deploykit import runtime
+from deploykit.backends.onnxruntime import wheels
 from deploykit.bundle import trust
 from deploykit.bundle.read import FileProblem
 
@@ -115,11 +116,15 @@ def _nvcc_version() -> str | None:
 
 
 def _ort_facts() -> dict | None:
+    """The ONNX Runtime wheels installed ({name: version}, from their metadata: a mix of both may not
+    import) and, when it imports, its version and providers; None when there is none."""
+    installed = wheels.installed()
     try:
         import onnxruntime as ort
-    except ImportError:
-        return None
-    installed = [n for n in ("onnxruntime", "onnxruntime-gpu") if _distribution(n)]
+    except ImportError as error:
+        if not installed:
+            return None
+        return {"version": None, "providers": [], "distributions": installed, "error": str(error).splitlines()[0]}
     return {"version": ort.__version__, "providers": ort.get_available_providers(), "distributions": installed}
 
 
@@ -237,20 +242,26 @@ def check_nvcc(env: Environment) -> list[Check]:
 
 def check_onnxruntime(env: Environment) -> list[Check]:
     info = env.onnxruntime
+    gpu = not isinstance(env.gpus, str)
     if info is None:
-        return [Check("ONNX Runtime", "fail", "not installed", "pip install onnxruntime (or onnxruntime-gpu)")]
-    head = f"onnxruntime {info['version']}; providers {', '.join(info['providers'])}"
+        return [Check("ONNX Runtime", "fail", "neither onnxruntime nor onnxruntime-gpu is installed",
+                      wheels.fix({}, gpu))]
+    installed = ", ".join(f"{name} {version}" for name, version in info["distributions"].items())
     if len(info["distributions"]) > 1:
-        return [Check("ONNX Runtime", "fail", f"{head}: both onnxruntime and onnxruntime-gpu are installed and "
-                      "overwrite each other's files", "pip uninstall -y onnxruntime onnxruntime-gpu && "
-                      "pip install onnxruntime-gpu")]
+        return [Check("ONNX Runtime", "fail", f"{installed} are both installed and overwrite each other's files "
+                      "(one package, onnxruntime, from two wheels)", wheels.fix(info["distributions"], gpu))]
+    if info["version"] is None:
+        reinstall = " ".join(f"{name}=={version}" for name, version in info["distributions"].items())
+        return [Check("ONNX Runtime", "fail", f"{installed} is installed but does not import: {info['error']}",
+                      f"pip install --force-reinstall {reinstall}")]
+    head = f"onnxruntime {info['version']}; providers {', '.join(info['providers'])}"
     checks = [Check("ONNX Runtime", "ok", head)]
     if runtime.version_tuple(info["version"]) < runtime.MIN_ORT_FOR_OP_LIBRARY:
         checks = [Check("ONNX Runtime", "warn", f"{head}: deploykit's op library needs >= 1.21 (bundles fall back "
                         "to their ONNX functions)", "pip install -U onnxruntime")]
     if not isinstance(env.gpus, str) and runtime.CUDA_EP not in info["providers"]:
         checks.append(Check("ONNX Runtime", "warn", f"no {runtime.CUDA_EP}: bundles run on the CPU here",
-                            "pip uninstall -y onnxruntime && pip install onnxruntime-gpu"))
+                            f"pip uninstall -y {wheels.CPU} && pip install '{wheels.GPU_EXTRA}'"))
     return checks
 
 

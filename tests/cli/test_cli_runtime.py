@@ -7,14 +7,19 @@ one has no GPU.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 import deploykit
+from deploykit.cli import main
 from deploykit.tools import doctor
 from deploykit.runtime import open_bundle
 from converted_bundles import converted, copy_bundle, edit_manifest
@@ -177,7 +182,7 @@ TORCH = {"version": "2.14.1+cu130", "cuda": "13.0", "archs": ["sm_75", "sm_80", 
 def fake_env(**changes) -> doctor.Environment:
     base = dict(driver="580.82", driver_cuda="13.0", gpus=H200, torch=TORCH, nvcc="13.0",
                 onnxruntime={"version": "1.32.0", "providers": ["CUDAExecutionProvider", "CPUExecutionProvider"],
-                             "distributions": ["onnxruntime-gpu"]},
+                             "distributions": {"onnxruntime-gpu": "1.32.0"}},
                 tensorrt={"tensorrt-rtx": "1.7.1.116"}, rtx_targets=("7.5", "8.0", "8.6", "8.9", "12.0", "12.1"),
                 cuda_python="13.5.0", libraries={"libdeploykit_ort.so": "ok"})
     return doctor.Environment(**{**base, **changes})
@@ -217,11 +222,66 @@ def test_doctor_driver_older_than_torch_cuda():
     assert checks[0].status == "fail" and "driver version is insufficient" in checks[0].detail
 
 
-def test_doctor_two_onnxruntime_distributions():
-    env = fake_env(onnxruntime={"version": "1.32.0", "providers": ["CPUExecutionProvider"],
-                                "distributions": ["onnxruntime", "onnxruntime-gpu"]})
+def installed_wheels(monkeypatch, versions: dict[str, str], imports: bool = True) -> None:
+    """Make importlib.metadata report these ONNX Runtime distributions (and no other), and
+    ``import onnxruntime`` fail unless ``imports``."""
+    real = importlib.metadata.distribution
+
+    def distribution(name):
+        if name in ("onnxruntime", "onnxruntime-gpu"):
+            if name not in versions:
+                raise importlib.metadata.PackageNotFoundError(name)
+            return SimpleNamespace(version=versions[name])
+        return real(name)
+    monkeypatch.setattr(importlib.metadata, "distribution", distribution)
+    if not imports:
+        monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import raises ImportError
+
+
+@pytest.mark.parametrize("gpus, keep", [(H200, "onnxruntime-gpu==1.31.1"), ("no NVIDIA driver", "onnxruntime==1.32.0")])
+def test_doctor_both_onnxruntime_wheels_names_the_one_to_keep(monkeypatch, gpus, keep):
+    installed_wheels(monkeypatch, {"onnxruntime": "1.32.0", "onnxruntime-gpu": "1.31.1"})
+    env = fake_env(gpus=gpus, onnxruntime=doctor._ort_facts())
+    assert env.onnxruntime["distributions"] == {"onnxruntime": "1.32.0", "onnxruntime-gpu": "1.31.1"}
     (check,) = doctor.check_onnxruntime(env)
-    assert check.status == "fail" and "pip uninstall -y onnxruntime onnxruntime-gpu" in check.fix
+    assert check.status == "fail" and "onnxruntime 1.32.0, onnxruntime-gpu 1.31.1 are both installed" in check.detail
+    assert check.fix == f"pip uninstall -y onnxruntime onnxruntime-gpu && pip install {keep}"
+
+
+def test_doctor_both_wheels_that_no_longer_import_are_still_named(monkeypatch):
+    installed_wheels(monkeypatch, {"onnxruntime": "1.32.0", "onnxruntime-gpu": "1.31.1"}, imports=False)
+    (check,) = doctor.check_onnxruntime(fake_env(onnxruntime=doctor._ort_facts()))
+    assert check.status == "fail" and "both installed" in check.detail
+    assert check.fix.endswith("pip install onnxruntime-gpu==1.31.1")
+
+
+@pytest.mark.parametrize("gpus, extra", [(H200, "deploykit[gpu]"), ("no NVIDIA driver", "deploykit[cpu]")])
+def test_doctor_without_onnxruntime_names_the_extra(monkeypatch, gpus, extra):
+    installed_wheels(monkeypatch, {}, imports=False)
+    env = fake_env(gpus=gpus, onnxruntime=doctor._ort_facts())
+    assert env.onnxruntime is None
+    (check,) = doctor.check_onnxruntime(env)
+    assert check.status == "fail" and "neither onnxruntime nor onnxruntime-gpu is installed" in check.detail
+    assert check.fix == f"pip install '{extra}'"
+
+
+def test_the_doctor_table_shows_the_extra_to_install(monkeypatch):
+    installed_wheels(monkeypatch, {}, imports=False)
+    monkeypatch.setenv("COLUMNS", "250")
+    result = CliRunner().invoke(main, ["doctor"])
+    assert result.exit_code == 3, result.output
+    assert "neither onnxruntime nor onnxruntime-gpu is installed" in result.output
+    assert "pip install 'deploykit[cpu]'" in result.output or "pip install 'deploykit[gpu]'" in result.output
+
+
+def test_a_command_without_onnxruntime_is_exit_3_naming_the_extras(monkeypatch, tabular, tmp_path):
+    installed_wheels(monkeypatch, {}, imports=False)
+    np.savez(tmp_path / "x.npz", features=np.ones((2, 13), np.float32))
+    result = CliRunner().invoke(main, ["run", str(tabular), "--device", "cpu", "--inputs", str(tmp_path / "x.npz"),
+                                       "-o", str(tmp_path / "y.npz")])
+    assert result.exit_code == 3, result.output
+    assert "ONNX Runtime is not installed: pip install 'deploykit[cpu]'" in result.output
+    assert "'deploykit[gpu]' on an NVIDIA GPU machine" in result.output and "internal error" not in result.output
 
 
 def test_doctor_rtx_engine_on_hopper(tabular):

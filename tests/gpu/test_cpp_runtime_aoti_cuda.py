@@ -25,8 +25,9 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(scope="module")
-def built() -> tuple[Path, str]:
-    return built_with_libtorch()
+def built() -> tuple[Path, dict]:
+    build = built_with_libtorch()
+    return Path(build["executable"]), build
 
 
 @pytest.fixture(scope="module")

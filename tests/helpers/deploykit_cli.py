@@ -14,10 +14,12 @@ from pathlib import Path
 HELPERS = Path(__file__).resolve().parent
 
 
-def run_deploykit(*args, cwd: Path | None = None, columns: int | None = None,
-                  timeout: float = 900) -> subprocess.CompletedProcess:
-    """``python -m deploykit ARGS`` in ``cwd``; ``columns`` is the width its tables are printed at."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HELPERS), os.environ.get("PYTHONPATH")]))}
+def run_deploykit(*args, cwd: Path | None = None, columns: int | None = None, timeout: float = 900,
+                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m deploykit ARGS`` in ``cwd``; ``columns`` is the width its tables are printed at,
+    ``env`` variables set on top of this process's."""
+    path = os.pathsep.join(filter(None, [str(HELPERS), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, **(env or {}), "PYTHONPATH": path}
     if columns is not None:
         env["COLUMNS"] = str(columns)
     return subprocess.run([sys.executable, "-m", "deploykit", *map(str, args)], cwd=cwd, env=env,

@@ -1,11 +1,12 @@
 """The C++ runtime (csrc/runtime): deploykit-run gives the Python runtime's outputs.
 
-Built once per module with CMake against the ONNX Runtime headers deploykit fetches and the
-libonnxruntime.so.1.* inside the onnxruntime wheel (loaded at run time). Its TensorRT path is
-compiled when TensorRT headers and the CUDA toolkit are here; it cannot run without a GPU.
+Built by ``deploykit build-runtime`` (cached: one build for every test and run) against the ONNX
+Runtime headers deploykit fetches and the libonnxruntime.so.1.* inside the onnxruntime wheel
+(loaded at run time). Its TensorRT path is compiled when TensorRT headers and the CUDA toolkit are
+here; it cannot run without a GPU.
 Like the Python runtime it refuses a changed bundle, paths out of it, and the bundle's own native
 code without --trust-bundle. This build is configured without libtorch (the AOTInductor path and
-its build with libtorch: test_cpp_runtime_aoti.py).
+its build with libtorch: test_cpp_runtime_aoti.py; build-runtime itself: test_build_runtime.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 
 import deploykit
 from converted_bundles import converted, copy_bundle, edit_manifest
-from cpp_runtime import ROOT, configure_and_build, run_cpp, runtime_defines
+from cpp_runtime import ROOT, built_runtime, configure_and_build, run_cpp, runtime_defines
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +32,10 @@ def defines() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory, defines) -> tuple[Path, str]:
-    build = tmp_path_factory.mktemp("runtime-build")
-    log = configure_and_build(ROOT / "csrc" / "runtime", build, *defines, "-DDEPLOYKIT_WITH_LIBTORCH=OFF")
-    return build / "deploykit-run", log
+def built() -> tuple[Path, dict]:
+    """deploykit-run and build-runtime's JSON about it (which paths it was built with)."""
+    build = built_runtime()
+    return Path(build["executable"]), build
 
 
 @pytest.mark.parametrize("name, shape", [("tabular", (3, 13)), ("transformer_mlp", (4, 9, 40))])
@@ -92,8 +93,8 @@ def test_errors_have_the_cli_exit_codes(tmp_path, built, case, code, message):
 
 
 def test_tensorrt_path_is_compiled_and_fails_cleanly_without_tensorrt(tmp_path, built):
-    executable, log = built
-    if "TensorRT path enabled" not in log:
+    executable, build = built
+    if not build["tensorrt"]:
         pytest.skip("TensorRT headers or the CUDA toolkit are missing: the TensorRT path was not compiled")
     np.save(tmp_path / "features.npy", np.ones((2, 13), np.float32))
     result = run_cpp(executable, converted("tabular"), "--backend", "tensorrt", "--inputs", tmp_path, "--trust-bundle")
@@ -106,8 +107,8 @@ def test_tensorrt_path_is_compiled_and_fails_cleanly_without_tensorrt(tmp_path, 
 
 
 def test_a_build_without_libtorch_says_how_to_get_the_aoti_path(tmp_path, built):
-    executable, log = built
-    assert "AOTInductor path disabled" in log
+    executable, build = built
+    assert not build["aoti"]
     result = run_cpp(executable, converted("tabular"), "--backend", "aoti", "--inputs", features(tmp_path),
                      "--trust-bundle")
     assert result.returncode == 3, result.stderr
@@ -148,11 +149,11 @@ def engine_file(bundle: Path) -> str:
 
 @pytest.mark.parametrize("name", ["model.onnx", OP_LIBRARY, "engine"])
 def test_a_changed_file_is_refused_by_name(tmp_path, built, name):
-    executable, log = built
+    executable, build = built
     bundle = copy_bundle("tabular", tmp_path)
     backend = ["--backend", "tensorrt"] if name == "engine" else []
     if name == "engine":
-        if "TensorRT path enabled" not in log:
+        if not build["tensorrt"]:
             pytest.skip("the TensorRT path was not compiled")
         name = engine_file(bundle)
     with (bundle / name).open("ab") as handle:
@@ -247,8 +248,8 @@ def test_a_swapped_op_library_with_its_sha256_updated_never_loads_without_consen
 
 
 def test_an_engine_with_plugins_needs_consent(tmp_path, built):
-    executable, log = built
-    if "TensorRT path enabled" not in log:
+    executable, build = built
+    if not build["tensorrt"]:
         pytest.skip("the TensorRT path was not compiled")
     bundle = converted("tabular")
     name = engine_file(bundle)

@@ -24,8 +24,9 @@ from cpp_runtime import ROOT, built_with_libtorch, run_cpp, runtime_defines
 
 
 @pytest.fixture(scope="module")
-def built() -> tuple[Path, str]:
-    return built_with_libtorch()
+def built() -> tuple[Path, dict]:
+    build = built_with_libtorch()
+    return Path(build["executable"]), build
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,9 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <string>
+#include <system_error>
 
 #include "deploykit/runtime.hpp"
 
@@ -24,7 +26,8 @@ const char* kUsage =
     "         [--tensorrt-library PATH] [--plugin PATH] [--engine FILE]\n"
     "         [--aoti-device cpu|cuda] [--aoti-packages both|static|dynamic] [--aoti-package FILE]\n"
     "         [--device N] [--repeat N]\n"
-    "Writes OUT_DIR/<output name>.npy (default OUT_DIR: the current directory). --backend auto\n"
+    "Writes OUT_DIR/<output name>.npy (default OUT_DIR: the current directory; created if missing).\n"
+    "--backend auto "
     "(the default) is onnxruntime, or the AOTInductor package the bundle's tuning table names for\n"
     "the batch size on a machine like the one it was tuned on.\n"
     "--trust-bundle loads the bundle's own native code (op library, engine plugins, AOTInductor\n"
@@ -120,6 +123,18 @@ deploykit::Tensors read_inputs(const Arguments& args, const deploykit::Runner& r
   return inputs;
 }
 
+// OUT_DIR and its parents are created once the run succeeded, so a failed run leaves no folder behind.
+void make_output_dir(const std::string& dir) {
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  if (error || !std::filesystem::is_directory(dir)) {
+    throw deploykit::Error(deploykit::ErrorKind::BadInput,
+                           "cannot create the output folder " + dir + " (" +
+                               (error ? error.message() : "a file of that name is in the way") +
+                               "): pass -o a folder you can write");
+  }
+}
+
 int run(int argc, char** argv) {
   Arguments args = parse(argc, argv);
   auto runner = deploykit::open_bundle(args.bundle, args.options);
@@ -129,6 +144,7 @@ int run(int argc, char** argv) {
   for (int i = 0; i < args.repeat; ++i) outputs = runner->run(inputs);
   std::chrono::duration<double, std::milli> elapsed = std::chrono::steady_clock::now() - start;
   std::fprintf(stderr, "%s\n", runner->describe().c_str());
+  make_output_dir(args.output_dir);
   for (const auto& info : runner->outputs()) {
     const auto& tensor = outputs.at(info.name);
     std::string path = args.output_dir + "/" + info.name + ".npy";
