@@ -34,12 +34,19 @@ def skipped_text(engine: dict) -> str:
     return f", not built for {'; '.join(skipped)}" if skipped else ""
 
 
-def print_notes_and_failures(notes: list[str], failures: list[str]) -> None:
-    """Outputs that passed within fp32 rounding (*), then every failed check (✗) (convert, validate)."""
+def print_notes_and_failures(notes: list[str], failures: list[str], inconclusive: list[str] = ()) -> None:
+    """Outputs that passed within fp32 rounding (*), every failed check (✗), then the outputs whose
+    comparison proves nothing (?) (convert, validate)."""
     for line in notes:
         console.print(f"[yellow]*[/] {line}", soft_wrap=True)
     for line in failures:
         console.print(f"[red]✗[/] {line}", soft_wrap=True)
+    for line in inconclusive:
+        console.print(f"[yellow]?[/] {line}", soft_wrap=True)
+
+
+#: The colour of each verdict (convert, validate).
+VERDICT_COLOURS = {"pass": "green", "inconclusive": "yellow", "fail": "red"}
 
 
 def tradeoff_lines(before: dict, after: dict, tradeoff: dict) -> list[str]:

@@ -304,8 +304,20 @@ def _random_head(model: nn.Module, std: float) -> nn.Module:
 
 def vit_tiny() -> nn.Module:
     """torchvision's ViT at a size CI converts in seconds: 32x32 images, 8x8 patches, 2 layers, hidden 64."""
-    return _random_head(torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
-                                                             hidden_dim=64, mlp_dim=128, num_classes=5), std=0.5)
+    return _random_head(vit_tiny_zero_head(), std=0.5)
+
+
+def vit_tiny_zero_head() -> nn.Module:
+    """The tiny ViT as torchvision builds it: its zero head makes every output 0 (an inconclusive validation)."""
+    return torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
+                                                hidden_dim=64, mlp_dim=128, num_classes=5)
+
+
+def constant_output() -> nn.Module:
+    """The tabular input through an MLP whose last layer has zero weights: the output is its bias for every input."""
+    model = nn.Sequential(nn.Linear(13, 16), nn.ReLU(), nn.Linear(16, 4))
+    nn.init.zeros_(model[2].weight)
+    return model
 
 
 class BertEncoder(nn.Module):
