@@ -21,9 +21,18 @@ def print_validation_table(candidate: dict) -> None:
                 output["name"], str(run["batch"]),
                 f"{m.get('max_abs', float('nan')):.3g}", f"{m.get('max_rel', float('nan')):.3g}",
                 f"{m.get('cosine', float('nan')):.7f}", "" if top1 is None else f"{top1:.3f}",
-                ("[green]pass*[/]" if output["waived"] else "[green]pass[/]") if output["passed"] else "[red]FAIL[/]",
+                _output_verdict(output, candidate.get("inconclusive", {})),
             )
     console.print(table)
+
+
+def _output_verdict(output: dict, inconclusive: dict) -> str:
+    """FAIL, pass* (within fp32 rounding), pass? (proves nothing: the output does not depend on the input), pass."""
+    if not output["passed"]:
+        return "[red]FAIL[/]"
+    if output["name"] in inconclusive:
+        return "[yellow]pass?[/]"
+    return "[green]pass*[/]" if output["waived"] else "[green]pass[/]"
 
 
 def skipped_text(engine: dict) -> str:
