@@ -13,6 +13,9 @@ EXIT_VALIDATION_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_ENVIRONMENT = 3
 EXIT_INTERNAL = 4
+#: The bundle matches PyTorch, but an output does not depend on the validation inputs (constant
+#: or all zeros: random weights, a zero-initialised layer), so matching it proves nothing.
+EXIT_VALIDATION_INCONCLUSIVE = 5
 #: SIGINT or SIGTERM stopped the command (128 + SIGINT, as shells report it).
 EXIT_INTERRUPTED = 130
 

@@ -89,4 +89,5 @@ def _validation(state: ConversionState) -> dict:
         "backend": final.backend,
         "batch_sizes": state.batch_sizes,
         "max_abs": {o.name: o.metrics.get("max_abs") for o in final.runs[-1].outputs},
+        "inconclusive": final.inconclusive,
     }

@@ -122,6 +122,8 @@ class Validation(Part):
     passed: bool
     batch_sizes: list[Size] = []
     max_abs: dict[str, float | None] = {}
+    #: outputs that do not depend on the input -> why (matching them proved nothing)
+    inconclusive: dict[str, str] = {}
 
 
 class TunedChoice(Part):

@@ -91,9 +91,11 @@ def _fail(message: str, code: int, verbose: bool) -> None:
     sys.exit(code)
 
 
-def exit_with_verdict(passed: bool) -> None:
-    """Exit 0 when the checks passed, 1 when one failed."""
-    sys.exit(errors.EXIT_OK if passed else errors.EXIT_VALIDATION_FAILED)
+def exit_with_verdict(passed: bool, inconclusive: bool = False) -> None:
+    """Exit 0 when the checks passed, 1 when one failed, 5 when they passed but proved nothing."""
+    if not passed:
+        sys.exit(errors.EXIT_VALIDATION_FAILED)
+    sys.exit(errors.EXIT_VALIDATION_INCONCLUSIVE if inconclusive else errors.EXIT_OK)
 
 
 def echo_json(value) -> None:

@@ -21,9 +21,18 @@ def print_validation_table(candidate: dict) -> None:
                 output["name"], str(run["batch"]),
                 f"{m.get('max_abs', float('nan')):.3g}", f"{m.get('max_rel', float('nan')):.3g}",
                 f"{m.get('cosine', float('nan')):.7f}", "" if top1 is None else f"{top1:.3f}",
-                ("[green]pass*[/]" if output["waived"] else "[green]pass[/]") if output["passed"] else "[red]FAIL[/]",
+                _output_verdict(output, candidate.get("inconclusive", {})),
             )
     console.print(table)
+
+
+def _output_verdict(output: dict, inconclusive: dict) -> str:
+    """FAIL, pass* (within fp32 rounding), pass? (proves nothing: the output does not depend on the input), pass."""
+    if not output["passed"]:
+        return "[red]FAIL[/]"
+    if output["name"] in inconclusive:
+        return "[yellow]pass?[/]"
+    return "[green]pass*[/]" if output["waived"] else "[green]pass[/]"
 
 
 def skipped_text(engine: dict) -> str:
@@ -34,12 +43,19 @@ def skipped_text(engine: dict) -> str:
     return f", not built for {'; '.join(skipped)}" if skipped else ""
 
 
-def print_notes_and_failures(notes: list[str], failures: list[str]) -> None:
-    """Outputs that passed within fp32 rounding (*), then every failed check (✗) (convert, validate)."""
+def print_notes_and_failures(notes: list[str], failures: list[str], inconclusive: list[str] = ()) -> None:
+    """Outputs that passed within fp32 rounding (*), every failed check (✗), then the outputs whose
+    comparison proves nothing (?) (convert, validate)."""
     for line in notes:
         console.print(f"[yellow]*[/] {line}", soft_wrap=True)
     for line in failures:
         console.print(f"[red]✗[/] {line}", soft_wrap=True)
+    for line in inconclusive:
+        console.print(f"[yellow]?[/] {line}", soft_wrap=True)
+
+
+#: The colour of each verdict (convert, validate).
+VERDICT_COLOURS = {"pass": "green", "inconclusive": "yellow", "fail": "red"}
 
 
 def tradeoff_lines(before: dict, after: dict, tradeoff: dict) -> list[str]:

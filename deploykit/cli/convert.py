@@ -11,7 +11,8 @@ from deploykit.cli._common import (
     seed_option, stage_printer, tolerance_option, verbose_option,
 )
 from deploykit.cli._printing import (
-    print_notes_and_failures, print_tuning_table, print_validation_table, round_lines, skipped_text, tradeoff_lines,
+    VERDICT_COLOURS, print_notes_and_failures, print_tuning_table, print_validation_table, round_lines, skipped_text,
+    tradeoff_lines,
 )
 
 PRECISIONS = ["fp32", "fp16", "bf16"]
@@ -79,7 +80,7 @@ def convert(model, output, inputs, batch, factory, trust_pickle, exporter, opset
         echo_json(result.report)
     else:
         _print_summary(result)
-    exit_with_verdict(result.passed)
+    exit_with_verdict(result.passed or result.inconclusive, result.inconclusive)
 
 
 def _print_summary(result) -> None:
@@ -115,11 +116,11 @@ def _print_summary(result) -> None:
     print_validation_table(final)
     for other in others:
         console.print(f"{other['label']} ({other['backend']}): {'pass' if other['passed'] else 'FAIL'}")
-    print_notes_and_failures(report["notes"], report["failures"])
+    print_notes_and_failures(report["notes"], report["failures"], report["inconclusive"])
     if report.get("tuning"):
         print_tuning_table(report["tuning"])
-    colour = "green" if result.passed else "red"
-    console.print(f"[bold {colour}]{report['verdict'].upper()}[/]: {report['summary']}")
+    colour = VERDICT_COLOURS[report["verdict"]]
+    console.print(f"[bold {colour}]{report['verdict'].upper()}[/]: {report['summary']}", soft_wrap=True)
     console.print(f"Bundle: {result.out_dir}")
     console.print(f"Report: {result.out_dir / 'report.html'}")
 

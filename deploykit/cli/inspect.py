@@ -63,6 +63,8 @@ def _print_info(info: dict) -> None:
     console.print(f"validation at conversion: {'passed' if validation.get('passed') else 'FAILED'} on "
                   f"{validation.get('backend')}, batch sizes {validation.get('batch_sizes')}, max abs {worst}",
                   soft_wrap=True)
+    for name in validation.get("inconclusive", {}):
+        console.print(f"  [yellow]inconclusive[/] for output {name}: it does not depend on the input", soft_wrap=True)
     if info["tuning"]:
         print_tuning_table(info["tuning"])
     for native in info["native"]:

@@ -11,7 +11,7 @@ from deploykit.cli._common import (
     BUNDLE, allow_failed_option, combine, console, echo_json, exit_with_verdict, handle_errors, inputs_option,
     json_option, model_loading_options, seed_option, tolerance_option, trust_bundle_option, verbose_option,
 )
-from deploykit.cli._printing import print_notes_and_failures, print_validation_table
+from deploykit.cli._printing import VERDICT_COLOURS, print_notes_and_failures, print_validation_table
 
 #: --backend, --device, --allow-failed, --no-op-library and --trust-bundle: how deploykit.load runs the bundle.
 _runtime_options = combine(
@@ -121,7 +121,8 @@ def validate(bundle, model, factory, trust_pickle, feeds_path, batches, seed, to
 
     Conversion validated on the converting machine; this checks the bundle on this machine's
     backend (the CUDA provider or TensorRT engine on a GPU) and on your data. The bundle is only
-    read. Exit code 1 when an output fails.
+    read. Exit code 1 when an output fails, 5 when every output passes but one does not depend on
+    the inputs (the comparison proves nothing for it).
     """
     from deploykit.validation.bundle import validate_bundle
 
@@ -136,8 +137,8 @@ def validate(bundle, model, factory, trust_pickle, feeds_path, batches, seed, to
     else:
         _print_notes(result.runner)
         print_validation_table(summary["validation"])
-        print_notes_and_failures(result.validation.rounding_notes(), summary["failures"])
-        verdict = "[bold green]PASS[/]" if result.passed else "[bold red]FAIL[/]"
-        console.print(f"{verdict}: {summary['bundle']} on {result.runner.name} against {model} "
-                      f"({summary['inputs']})", soft_wrap=True)
-    exit_with_verdict(result.passed)
+        print_notes_and_failures(result.validation.rounding_notes(), summary["failures"], summary["inconclusive"])
+        colour = VERDICT_COLOURS[result.verdict]
+        console.print(f"[bold {colour}]{result.verdict.upper()}[/]: {summary['bundle']} on {result.runner.name} "
+                      f"against {model} ({summary['inputs']})", soft_wrap=True)
+    exit_with_verdict(result.passed, bool(result.validation.inconclusive))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from deploykit.conversion.checkpoint import load_into, state_dict_of
 from deploykit.errors import BadInputError, error_summary
 
 _RESAVE_HINT = "save it with torch.jit.save, torch.export.save or torch.save"
@@ -134,21 +135,9 @@ def _load_pickle(path: Path, trust_pickle: bool):
 
 
 def _build_from_factory(factory: str, weights: Path) -> torch.nn.Module:
-    module = _call_factory(factory)
-    state = _load_pickle(weights, trust_pickle=False)
-    state = _unwrap_checkpoint(state, weights)
-    state = {_strip_parallel_prefix(key): value for key, value in state.items()}
-    module = convert_sync_batch_norm(module)
-    result = module.load_state_dict(state, strict=False)
-    problems = [f"missing {k}" for k in result.missing_keys] + [
-        f"unexpected {k}" for k in result.unexpected_keys
-    ]
-    if problems:
-        shown = ", ".join(problems[:4]) + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else "")
-        raise BadInputError(
-            f"{weights} does not fit the model built by {factory}: {shown}; "
-            "check that the factory builds the same architecture as the checkpoint"
-        )
+    module = convert_sync_batch_norm(_call_factory(factory))
+    state = state_dict_of(_load_pickle(weights, trust_pickle=False), weights)
+    load_into(module, state, weights, factory)
     return module.float().cpu()
 
 
@@ -168,28 +157,6 @@ def _call_factory(factory: str) -> torch.nn.Module:
             f"--factory {factory!r} returned a {type(module).__name__}, not a torch.nn.Module"
         )
     return module
-
-
-def _unwrap_checkpoint(state, path: Path) -> dict:
-    """Accept a bare state_dict or a training checkpoint that nests one."""
-    if isinstance(state, dict):
-        for key in ("state_dict", "model_state_dict", "model"):
-            if isinstance(state.get(key), dict):
-                state = state[key]
-                break
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise BadInputError(
-            f"{path} is not a state_dict (a dict of tensors, or a checkpoint with 'state_dict'); "
-            "save one with torch.save(model.state_dict(), path)"
-        )
-    return state
-
-
-def _strip_parallel_prefix(key: str) -> str:
-    """DataParallel/DDP checkpoints name every tensor ``module.<name>``."""
-    while key.startswith("module."):
-        key = key[len("module.") :]
-    return key
 
 
 class _AnyRankBatchNorm(torch.nn.modules.batchnorm._BatchNorm):

@@ -58,6 +58,11 @@ class ConvertResult:
     def passed(self) -> bool:
         return self.report["verdict"] == "pass"
 
+    @property
+    def inconclusive(self) -> bool:
+        """The bundle matches PyTorch, but some output does not depend on the input (docs/validation.md)."""
+        return self.report["verdict"] == "inconclusive"
+
 
 def _no_stage(_title: str):
     return contextlib.nullcontext()

@@ -56,7 +56,8 @@ def build_report(state: ConversionState) -> dict:
 
 
 def _verdict(state: ConversionState) -> dict:
-    """verdict, summary, failures (with where they come from) and notes."""
+    """verdict (pass, inconclusive or fail), summary, failures (with where they come from), notes
+    and the outputs whose comparison proves nothing."""
     final = state.validations[0]
     failures = [line for v in state.shipped_validations for line in v.failures()]
     failed_checks = len(failures)
@@ -65,15 +66,19 @@ def _verdict(state: ConversionState) -> dict:
     rounding = final.rounding_notes()
     worst = max((o.metrics.get("max_abs", float("inf")) for r in final.runs for o in r.outputs), default=0.0)
     sizes = ", ".join(map(str, state.batch_sizes))
+    summary = (f"{final.label} in {final.backend} matches PyTorch on batch sizes {sizes} "
+               f"(worst max abs error {worst:.3g}{', within fp32 rounding' if rounding else ''})")
+    if not state.passed:
+        summary = f"{failed_checks} check(s) failed on batch sizes {sizes}"
+    elif final.inconclusive:
+        summary += (f", but that proves nothing for output {', '.join(final.inconclusive)}: "
+                    "it does not depend on the input")
     return {
-        "verdict": "pass" if state.passed else "fail",
-        "summary": (
-            f"{final.label} in {final.backend} matches PyTorch on batch sizes {sizes} "
-            f"(worst max abs error {worst:.3g}{', within fp32 rounding' if rounding else ''})" if state.passed
-            else f"{failed_checks} check(s) failed on batch sizes {sizes}"
-        ),
+        "verdict": "fail" if not state.passed else "inconclusive" if final.inconclusive else "pass",
+        "summary": summary,
         "failures": failures,
         "notes": rounding,
+        "inconclusive": final.inconclusive_notes(),
     }
 
 

@@ -34,13 +34,20 @@ class BundleValidation:
     def passed(self) -> bool:
         return self.validation.passed
 
+    @property
+    def verdict(self) -> str:
+        """pass, fail, or inconclusive: it passed, but an output does not depend on the inputs."""
+        return "fail" if not self.passed else "inconclusive" if self.validation.inconclusive else "pass"
+
     def to_json(self) -> dict:
         return {
             **self.runner.describe(),
             "precision": self.precision,
             "inputs": self.inputs,
             "passed": self.passed,
+            "verdict": self.verdict,
             "failures": self.validation.failures(),
+            "inconclusive": self.validation.inconclusive_notes(),
             "validation": self.validation.to_json(),
         }
 

@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 
 from deploykit.validation.compare import FP32_NOISE_MARGIN, OutputComparison, Tolerance, compare_output, max_abs_error
+from deploykit.validation.dependence import inconclusive_outputs
 from deploykit.errors import BadInputError, DeployKitError, error_summary
 
 
@@ -30,6 +31,8 @@ class CandidateValidation:
     label: str
     backend: str
     runs: list[BatchRun]
+    #: output name -> why matching it proves nothing (it does not depend on the input)
+    inconclusive: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -56,11 +59,15 @@ class CandidateValidation:
             for name, (error, fp32, batch) in worst.items()
         ]
 
+    def inconclusive_notes(self) -> list[str]:
+        return [f"output {name}: {reason}" for name, reason in self.inconclusive.items()]
+
     def to_json(self) -> dict:
         return {
             "label": self.label,
             "backend": self.backend,
             "passed": self.passed,
+            "inconclusive": self.inconclusive,
             "runs": [{"batch": r.batch, "passed": r.passed, "outputs": [o.to_json() for o in r.outputs]} for r in self.runs],
         }
 
@@ -71,6 +78,7 @@ def validate(
     feed_sets: list[dict[str, np.ndarray]],
     tolerances: dict[str, Tolerance],
     fp32_peer: str | None = None,
+    check_dependence: bool = True,
 ) -> list[CandidateValidation]:
     """Compare each candidate runner with ``reference`` on every feed set.
 
@@ -78,8 +86,11 @@ def validate(
     the reference (``OutputComparison.judge_by_float64``), which runs only when there are some.
     ``fp32_peer`` labels a candidate that is another fp32 implementation of the model (the plain
     export): where it passes, its error against float64 counts as fp32 rounding too.
+    ``check_dependence``: name the outputs that do not depend on the input (``inconclusive``),
+    which may run the reference on one more input.
     """
     references = [run_checked(reference, feeds, BadInputError) for feeds in feed_sets]
+    inconclusive = inconclusive_outputs(reference, feed_sets, references) if check_dependence else {}
     results, actuals = [], {}
     for label, runner in candidates.items():
         runs, actuals[label] = [], []
@@ -89,7 +100,7 @@ def validate(
             runs.append(BatchRun(_batch_size(feeds), [
                 compare_output(name, expected[name], actual[name], tolerances[name]) for name in expected
             ]))
-        results.append(CandidateValidation(label, runner.name, runs))
+        results.append(CandidateValidation(label, runner.name, runs, inconclusive))
     misses = [(result, index, output) for result in results for index, run in enumerate(result.runs)
               for output in run.outputs if output.may_be_rounding]
     if misses:

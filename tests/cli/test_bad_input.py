@@ -221,6 +221,18 @@ def test_state_dict_without_factory(tmp_path, out):
     assert_nothing_left(out)
 
 
+def test_state_dict_that_does_not_fit_the_factory(tmp_path, out, helpers):
+    weights = tmp_path / "weights.pt"
+    state = TinyNet().state_dict()
+    state["body.6.weight"] = state.pop("body.5.weight")  # a renamed layer
+    torch.save(state, weights)
+    result = convert(tmp_path, weights, "-o", out, "--input", INPUT,
+                     "--factory", f"{HELPER_NAME}:build", pythonpath=helpers)
+    assert_rejected(result, "error:", "1 missing key: body.5.weight", "1 unexpected key: body.6.weight",
+                    f"check that {HELPER_NAME}:build builds the architecture")
+    assert_nothing_left(out)
+
+
 @pytest.mark.parametrize(
     ("args", "words"),
     [

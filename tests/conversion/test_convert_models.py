@@ -117,8 +117,7 @@ def test_torchscript_file(tmp_path):
 
 def save_program(tmp_path: Path) -> Path:
     """A torch.export program of mobilenet_v3_small with a dynamic batch of 1..8."""
-    torch.manual_seed(0)
-    model = randomize_batch_norm(model_zoo.mobilenet_v3_small(), seed=3)
+    model = model_zoo.trained_like("mobilenet_v3_small", seed=3)
     batch = torch.export.Dim("batch", min=1, max=8)
     program = torch.export.export(model, (torch.randn(2, 3, 48, 40),), dynamic_shapes={"x": {0: batch}})
     torch.export.save(program, tmp_path / "model.pt2")
