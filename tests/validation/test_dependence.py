@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 import model_zoo
