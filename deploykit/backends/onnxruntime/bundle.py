@@ -71,18 +71,20 @@ def _cuda_session(model_path: Path, options, device_id: int, cuda_graph: bool | 
         return loader.create_session(model_path, options, loader.providers("cuda", device_id, stream=stream,
                                                                            **settings)), None
     own = torch.cuda.ExternalStream(stream) if stream is not None else torch.cuda.Stream(device_id)
+
+    def session(graphs: bool):
+        chosen = loader.providers("cuda", device_id, cuda_graph=graphs, stream=own.cuda_stream, **settings)
+        return loader.create_session(model_path, options, chosen)
+
     graphs = cuda_graph is not False
     try:
-        session = loader.create_session(model_path, options, loader.providers(
-            "cuda", device_id, cuda_graph=graphs, stream=own.cuda_stream, **settings))
+        made = session(graphs)
     except DeployKitError as error:
         if not graphs or cuda_graph:
             raise
         notes.append(f"CUDA graphs off (ONNX Runtime cannot capture this graph): {str(error)[:200]}")
-        graphs = False
-        session = loader.create_session(model_path, options, loader.providers(
-            "cuda", device_id, stream=own.cuda_stream, **settings))
-    return session, CudaRuns(session, outputs, device_id, own, graphs)
+        graphs, made = False, session(False)
+    return made, CudaRuns(made, outputs, device_id, own, graphs)
 
 
 def _torch_with_cuda():

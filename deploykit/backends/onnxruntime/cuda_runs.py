@@ -46,18 +46,24 @@ class CudaRuns:
         self.device, self.device_id = torch.device("cuda", device_id), device_id
         self.memory = TorchMemory(device_id)
         self.stream, self.graphs = stream, graphs  # the session's torch.cuda.Stream
-        self.plans: dict[tuple, ShapePlan] = {}
+        self.plans: dict[tuple, ShapePlan | None] = {}  # None: that input shape has no plan
         self.uncaptured = ort.RunOptions()  # for calls that cannot have a plan (outputs of unknown shape)
         if graphs:
             self.uncaptured.add_run_config_entry("gpu_graph_id", "-1")
 
-    def run(self, given: dict[str, Feed], shapes: list[tuple[int, ...]]) -> list:
-        """Output tensors (the caller's to keep) for feeds whose output shapes are ``shapes``."""
+    def run(self, given: dict[str, Feed], output_shapes) -> list | None:
+        """Output tensors (the caller's to keep), or None when the outputs' shapes do not follow from
+        the inputs' (no plan can bind them). ``output_shapes(given)`` is asked once per input shape."""
+        key = tuple((name, feed.shape, feed.dtype.str) for name, feed in given.items())
+        if key not in self.plans:
+            shapes = output_shapes(given)
+            self.plans[key] = None if None in shapes else self._plan(given, shapes)
+        plan = self.plans[key]
+        if plan is None:
+            return None
         torch, stream = self.torch, self.stream
         caller = torch.cuda.current_stream(self.device)
         tensors = {name: self._tensor(feed) for name, feed in given.items()}
-        key = tuple((name, feed.shape, feed.dtype.str) for name, feed in given.items())
-        plan = self.plans.get(key) or self._plan(key, given, shapes)
         if stream != caller:
             stream.wait_stream(caller)
         if plan.inputs is None:
@@ -80,14 +86,15 @@ class CudaRuns:
             caller.wait_stream(stream)
         return results
 
-    def _plan(self, key: tuple, given: dict[str, Feed], shapes: list[tuple[int, ...]]) -> ShapePlan:
+    def _plan(self, given: dict[str, Feed], shapes: list[tuple[int, ...]]) -> ShapePlan:
         import onnxruntime as ort
 
         options = ort.RunOptions()
         options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         plan = ShapePlan(self.session.io_binding(), options, shapes)
         if self.graphs:
-            options.add_run_config_entry("gpu_graph_id", str(len(self.plans) + 1))  # 0 is ORT's default graph
+            graph_id = 1 + sum(made is not None for made in self.plans.values())  # 0 is ORT's default graph
+            options.add_run_config_entry("gpu_graph_id", str(graph_id))
             plan.inputs = {name: self.torch.empty(feed.shape, dtype=_torch_dtype(feed.dtype.name), device=self.device)
                            for name, feed in given.items()}
             plan.outputs = self._empty_outputs(shapes)
@@ -95,7 +102,6 @@ class CudaRuns:
                 self._bind_input(plan.binding, name, tensor)
             for spec, tensor in zip(self.specs, plan.outputs):
                 self._bind_output(plan.binding, spec["name"], tensor)
-        self.plans[key] = plan
         return plan
 
     def _empty_outputs(self, shapes: list[tuple[int, ...]]) -> list:
@@ -110,10 +116,7 @@ class CudaRuns:
             return tensor if tensor.device == self.device else tensor.to(self.device)
         if feed.on_device:
             return torch.as_tensor(feed.value, device=self.device)
-        host = feed.value
-        if host.dtype.name == "bfloat16":  # torch cannot read ml_dtypes' bfloat16: move the bits
-            return torch.from_numpy(host.view(np.int16)).to(self.device).view(torch.bfloat16)
-        return torch.from_numpy(host).to(self.device)
+        return self.memory.to_device(feed.value)
 
     def _bind_input(self, binding, name: str, tensor) -> None:
         binding.bind_input(name, "cuda", self.device_id, _numpy_dtype(tensor), list(tensor.shape), tensor.data_ptr())

@@ -58,12 +58,9 @@ class OnnxRuntimeRunner(Runner):
             if note not in self.notes:
                 self.notes.append(note)
         kind, device = output_kind(given)
-        if self.cuda_runs is not None:
-            shapes = self.output_shapes(given)
-            if None not in shapes:
-                outputs = self.cuda_runs.run(given, shapes)
-                deliver = self.cuda_runs.memory.deliver
-                return {name: deliver(tensor, kind, device) for name, tensor in zip(self.output_names, outputs)}
+        if self.cuda_runs is not None and (outputs := self.cuda_runs.run(given, self.output_shapes)) is not None:
+            deliver = self.cuda_runs.memory.deliver
+            return {name: deliver(tensor, kind, device) for name, tensor in zip(self.output_names, outputs)}
         if self.device == "cuda" and any(feed.on_device for feed in given.values()):
             return self._run_bound(given, kind, device)
         host = {name: feed.host() for name, feed in given.items()}
