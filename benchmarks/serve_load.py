@@ -111,7 +111,8 @@ def request_body(inputs: dict[str, np.ndarray]) -> tuple[bytes, int]:
 
 
 def parse_response(body: bytes, header_length: int) -> dict[str, np.ndarray]:
-    from deploykit.serving.protocol import NUMPY_NAMES, numpy_dtype
+    from deploykit.backends.base.feeds import numpy_dtype
+    from deploykit.serving.protocol import NUMPY_NAMES
 
     header, offset, outputs = json.loads(body[:header_length]), header_length, {}
     for entry in header["outputs"]:

@@ -15,6 +15,8 @@ import math
 
 import numpy as np
 
+from deploykit.backends.base.feeds import numpy_dtype
+
 #: numpy dtype names and their v2 datatypes (Triton's config types are "TYPE_" + the same name).
 DATATYPES = {
     "bool": "BOOL", "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32", "uint64": "UINT64",
@@ -35,15 +37,6 @@ class RequestError(Exception):
 
 def bad(message: str) -> RequestError:
     return RequestError(400, message)
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    """numpy's dtype of a manifest dtype name (bfloat16 through ml_dtypes, which onnx installs)."""
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 def datatype_of(dtype_name: str) -> str:

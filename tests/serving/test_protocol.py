@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from deploykit.serving import protocol
-from deploykit.serving.protocol import RequestError, numpy_dtype
+from deploykit.backends.base.feeds import numpy_dtype
+from deploykit.serving.protocol import RequestError
 
 SPECS = [{"name": "ids", "dtype": "int64", "shape": ["batch", 3]},
          {"name": "x", "dtype": "bfloat16", "shape": ["batch", 2]}]

@@ -11,7 +11,7 @@ import numpy as np
 
 from deploykit.backends.aoti.loader import Package
 from deploykit.backends.base.feeds import (
-    DeviceArray, Feed, collect_feeds, output_kind, unvalidated_batch_notes,
+    DeviceArray, Feed, collect_feeds, numpy_dtype, output_kind, unvalidated_batch_notes,
 )
 from deploykit.backends.base.memory import torch_from_host, torch_to_host
 from deploykit.backends.base.runner import Runner
@@ -138,14 +138,6 @@ class CudaGraph:
 def flat_outputs(result) -> list:
     """An AOTInductor model returns one tensor or a sequence of them."""
     return list(result) if isinstance(result, (tuple, list)) else [result]
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 @contextlib.contextmanager

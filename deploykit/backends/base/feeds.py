@@ -107,6 +107,15 @@ def describe_inputs(specs: list[dict]) -> str:
     return ", ".join(f"{s['name']} ({s['dtype']}, {'x'.join(map(str, s['shape']))})" for s in specs)
 
 
+def numpy_dtype(name: str) -> np.dtype:
+    """numpy's dtype of a manifest (or torch) dtype name: bfloat16 through ml_dtypes, which onnx installs."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
 def dtype_mismatch(name: str, given: np.dtype, wanted: str) -> str:
     """How a refused dtype is named, by deploykit.load and ``run --inputs`` alike."""
     return f"input {name} is {given}, the model takes {wanted}"

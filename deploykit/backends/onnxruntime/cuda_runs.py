@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 
-from deploykit.backends.base.feeds import Feed
+from deploykit.backends.base.feeds import Feed, numpy_dtype
 from deploykit.backends.base.memory import TorchMemory
 
 
@@ -131,10 +131,6 @@ def _torch_dtype(name: str):
     return getattr(torch, name)  # numpy's and torch's names agree for every ONNX tensor type ORT binds
 
 
-def _numpy_dtype(tensor):
-    name = str(tensor.dtype).removeprefix("torch.")
-    if name == "bfloat16":
-        import ml_dtypes
 
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
+def _numpy_dtype(tensor) -> np.dtype:
+    return numpy_dtype(str(tensor.dtype).removeprefix("torch."))
