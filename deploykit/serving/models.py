@@ -78,8 +78,9 @@ class ServedModel:
             feeds = collect_feeds(inputs, {}, self.inputs)
         except BadInputError as error:
             raise bad(str(error)) from None
-        dynamic = batch_sizes(self.inputs)
-        if dynamic is None:
+        if not self.allow_nan:
+            _refuse_non_finite(inputs)
+        if batch_sizes(self.inputs) is None:
             return 1
         rows = {feed.shape[0] for feed in feeds.values()}
         if len(rows) > 1:
@@ -88,8 +89,6 @@ class ServedModel:
         for spec in self.inputs:
             if problem := batch_outside_range(feeds[spec["name"]], spec):
                 raise bad(f"{problem}, the batches the bundle was validated for: split the request")
-        if not self.allow_nan:
-            _refuse_non_finite(inputs)
         return rows.pop()
 
 

@@ -70,3 +70,24 @@ def test_bucket_and_batch_options_are_checked():
         served(buckets="2,8")
     assert served(buckets="2").buckets == [2, 4]
     assert served().buckets == []  # auto on a CPU: the rows as they come
+
+
+def test_a_static_batch_model_refuses_nan_too(tmp_path):
+    """NaN is refused before the batch rules, so a bundle without a dynamic batch refuses it as well."""
+    import torch
+
+    import model_zoo
+    from deploykit_cli import run_deploykit
+
+    torch.save(model_zoo.tabular().state_dict(), tmp_path / "tabular.pt")
+    result = run_deploykit("convert", tmp_path / "tabular.pt", "--factory", "model_zoo:tabular", "--input",
+                           "features:1x13", "-o", tmp_path / "static")
+    assert result.returncode == 0, result.stderr
+    model = load_models([tmp_path / "static"], ServeOptions(devices=("cpu",)))[0]
+    features = rows(1, seed=3)
+    assert model.max_batch == 1 and model.check({"features": features}) == 1
+    features[0, 2] = np.nan
+    with pytest.raises(RequestError, match="features holds 1 NaN or infinite values"):
+        model.check({"features": features})
+    allowed = load_models([tmp_path / "static"], ServeOptions(devices=("cpu",), allow_nan=True))[0]
+    assert allowed.check({"features": features}) == 1
