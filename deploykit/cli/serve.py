@@ -55,7 +55,7 @@ def serve(bundles, host, port, backend, devices, instances, max_batch, max_delay
 
         token = _read_token(token_file) if token_file else None
         options = ServeOptions(backend=backend, devices=tuple(devices) or ("auto",), instances=instances,
-                               max_batch=max_batch, max_delay_ms=max_delay_ms, buckets=buckets, allow_nan=allow_nan,
+                               max_batch=max_batch, buckets=buckets, allow_nan=allow_nan,
                                trust_native=trust_bundle, allow_failed=allow_failed)
         models = load_models(list(bundles), options)
         limits = Limits(max_request_bytes=int(max_request_mb * (1 << 20)), max_queue=max_queue, timeout_s=timeout_s,

@@ -24,7 +24,6 @@ class ServeOptions:
     devices: tuple[str, ...] = ("auto",)
     instances: int = 1
     max_batch: int | None = None  # None: the bundle's maximum batch
-    max_delay_ms: float = 2.0
     buckets: str = "auto"  # auto | exact | validated | "1,2,4"
     allow_nan: bool = False
     trust_native: bool = False
@@ -40,7 +39,6 @@ class ServedModel:
     runners: list
     placements: list[str]  # the --device each runner was loaded for
     max_batch: int  # rows per run; 1 when the bundle's batch is static
-    min_batch: int
     buckets: list[int]  # the batch sizes runs are padded to; empty: run the rows as they come
     allow_nan: bool
 
@@ -118,14 +116,14 @@ def _load_model(path: Path, name: str, options: ServeOptions) -> ServedModel:
     dynamic = batch_sizes(runners[0].inputs)
     batchable = dynamic is not None and all(_follows_batch(spec, runners[0].inputs) for spec in runners[0].outputs)
     if not batchable:
-        return ServedModel(name, path, runners, placements, 1, 1, [], options.allow_nan)
+        return ServedModel(name, path, runners, placements, 1, [], options.allow_nan)
     low, _, high = dynamic
     max_batch = options.max_batch or high
     if not low <= max_batch <= high:
         raise BadInputError(f"--max-batch {max_batch} is outside {name}'s batch range {low}..{high}: "
                             "choose one in it (or convert with a wider --batch)")
     buckets = choose_buckets(options.buckets, runners[0], low, max_batch)
-    return ServedModel(name, path, runners, placements, max_batch, low, buckets, options.allow_nan)
+    return ServedModel(name, path, runners, placements, max_batch, buckets, options.allow_nan)
 
 
 def _follows_batch(output: dict, inputs: list[dict]) -> bool:
