@@ -23,6 +23,7 @@ class Bundle:
     path: Path
     manifest: dict
     _verified: set = dataclasses.field(default_factory=set, repr=False)
+    _contained: set = dataclasses.field(default_factory=set, repr=False)  # graphs whose external data stays inside
 
     @property
     def inputs(self) -> list[dict]:
@@ -81,9 +82,11 @@ class Bundle:
                                   "mismatch with manifest.json): it was changed after conversion; restore it or "
                                   "re-run deploykit convert")
             self._verified.add(name)
-        if path.suffix == ".onnx" and (outside := paths.external_data_outside(path, self.path)):
-            raise FileProblem("external data outside the bundle", f"{path} reads external data from {outside}, "
-                              "outside the bundle: refused; re-run deploykit convert")
+        if path.suffix == ".onnx" and name not in self._contained:
+            if outside := paths.external_data_outside(path, self.path):  # parses the graph: once per name
+                raise FileProblem("external data outside the bundle", f"{path} reads external data from {outside}, "
+                                  "outside the bundle: refused; re-run deploykit convert")
+            self._contained.add(name)
         return path
 
     def file_problems(self) -> dict[str, str]:
