@@ -11,7 +11,7 @@ import numpy as np
 
 from deploykit.backends.aoti.loader import Package
 from deploykit.backends.base.feeds import (
-    DeviceArray, Feed, collect_feeds, numpy_dtype, output_kind, unvalidated_batch_notes,
+    DeviceArray, Feed, numpy_dtype, output_kind,
 )
 from deploykit.backends.base.memory import torch_from_host, torch_to_host
 from deploykit.backends.base.runner import Runner
@@ -61,10 +61,7 @@ class AotiRunner(Runner):
         if self.cast_inputs:
             feeds = {spec["name"]: np.asarray(feeds[spec["name"]]).astype(numpy_dtype(spec["dtype"]), copy=False)
                      for spec in self.inputs}
-        given = collect_feeds(feeds, named, self.inputs)
-        for note in unvalidated_batch_notes(given, self.inputs, self.allow_unvalidated):
-            if note not in self.notes:
-                self.notes.append(note)
+        given = self.checked_feeds(feeds, named)
         kind, device = output_kind(given)
         batch = given[self.input_names[0]].shape[0]
         package = self.package_for(batch)

@@ -7,6 +7,8 @@ when a bundle loader passes it (the manifest also knows the batch range).
 
 from __future__ import annotations
 
+from deploykit.backends.base.feeds import Feed, collect_feeds, unvalidated_batch_notes
+
 
 class Runner:
     """``run(feeds)`` / ``runner(x=...)`` -> {output name: array}; a context manager.
@@ -17,6 +19,7 @@ class Runner:
     """
 
     backend = "?"
+    allow_unvalidated = False  # run batches outside the validated range, noting them (refused otherwise)
 
     def __init__(self, device: str, inputs: list[dict], outputs: list[dict], *, notes: list[str] | None = None,
                  name: str | None = None, bundle=None):
@@ -30,6 +33,15 @@ class Runner:
 
     def run(self, feeds=None, /, **named) -> dict:
         raise NotImplementedError
+
+    def checked_feeds(self, feeds, named) -> dict[str, Feed]:
+        """A call's inputs checked against the specs; a batch outside the validated range is refused,
+        or, with ``allow_unvalidated``, named once in ``notes``."""
+        given = collect_feeds(feeds, named, self.inputs)
+        for note in unvalidated_batch_notes(given, self.inputs, self.allow_unvalidated):
+            if note not in self.notes:
+                self.notes.append(note)
+        return given
 
     def __call__(self, feeds=None, /, **named) -> dict:
         return self.run(feeds, **named)

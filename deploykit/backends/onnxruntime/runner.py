@@ -11,7 +11,7 @@ import numpy as np
 
 from deploykit.backends.onnxruntime import loader
 from deploykit.backends.base.feeds import (
-    DeviceArray, Feed, collect_feeds, deliver_host, imported_torch, output_kind, unvalidated_batch_notes,
+    DeviceArray, Feed, deliver_host, imported_torch, output_kind,
 )
 from deploykit.backends.base.memory import TorchMemory
 from deploykit.backends.base.runner import Runner
@@ -53,10 +53,7 @@ class OnnxRuntimeRunner(Runner):
                 "cuda_graph": bool(self.cuda_runs and self.cuda_runs.graphs)}
 
     def run(self, feeds=None, /, **named) -> dict:
-        given = collect_feeds(feeds, named, self.inputs)
-        for note in unvalidated_batch_notes(given, self.inputs, self.allow_unvalidated):
-            if note not in self.notes:
-                self.notes.append(note)
+        given = self.checked_feeds(feeds, named)
         kind, device = output_kind(given)
         if self.cuda_runs is not None and (outputs := self.cuda_runs.run(given, self.output_shapes)) is not None:
             deliver = self.cuda_runs.memory.deliver
