@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -20,6 +19,7 @@ from deploykit.validation.auto_fix import FixProblem, FixResult, auto_fix, trade
 from deploykit.backends.onnxruntime.runner import OnnxRuntimeRunner
 from deploykit.errors import DeployKitError
 from deploykit.passes.ort_fusions import CONTRIB_DOMAIN
+from deploykit.validation.compare import finite_max_abs
 from deploykit.validation.layerwise import run_values
 from deploykit.passes.precision import (ONNX_TYPE_NAMES, PrecisionResult, apply_precision, emulate, float_io,
                                         is_low, name_nodes)
@@ -49,7 +49,7 @@ class PrecisionStage:
         """Calibrate and type ``optimized`` for ``target``: ONNX Runtime's graph, or TensorRT's."""
         fp32 = name_nodes(optimized)
         values = run_values(fp32, calibration)
-        ranges = {name: _max_abs(array) for name, array in values.items()}
+        ranges = {name: finite_max_abs(array) for name, array in values.items()}
         shapes = {name: array.shape for name, array in values.items()}
         result = apply_precision(fp32, precision, io_precision, ranges=ranges, target=target)
         return cls(fp32, precision, io_precision, ranges, shapes, result, target)
@@ -156,9 +156,3 @@ def _domain(domain: str) -> str:
 
 def _op_label(domain: str, op_type: str) -> str:
     return f"{domain}::{op_type}" if _domain(domain) else op_type
-
-
-def _max_abs(array: np.ndarray) -> float:
-    magnitudes = np.abs(array[np.isfinite(array)].astype(np.float64))
-    return float(magnitudes.max(initial=0.0))
-

@@ -21,7 +21,7 @@ import onnx_ir as ir
 
 from deploykit.passes.precision import (FLOAT, ORT_FP32_INSIDE, PrecisionResult, apply_precision, emulate, is_low,
                                         source_name)
-from deploykit.validation.compare import Tolerance, compare_output, tolerance_excess
+from deploykit.validation.compare import Tolerance, compare_output, finite_max_abs, tolerance_excess
 from deploykit.validation.cost import multiply_adds
 from deploykit.validation.groups import Group, candidate_groups
 from deploykit.validation.layerwise import FLOAT_TYPES, LayerDiff, compare_layers, run_values
@@ -248,7 +248,7 @@ class _Search:
         self.tolerance = Tolerance.for_precision(problem.precision)
         self.reference = run_values(problem.fp32, problem.feeds, problem.op_library)
         self.shapes = {name: array.shape for name, array in self.reference.items()}
-        self.magnitudes = {name: _max_abs(array) for name, array in self.reference.items()}
+        self.magnitudes = {name: finite_max_abs(array) for name, array in self.reference.items()}
         graph = ir.serde.deserialize_graph(problem.fp32.graph)
         self.pinnable = {node.name for node in graph}
         self.total = sum(multiply_adds(node, self.shapes) for node in graph) or 1
@@ -370,11 +370,6 @@ def _choose(tried: list[tuple[Group, _Trial]], current: float):
     if not best <= _IMPROVEMENT * current:
         return None
     return next((g, t) for g, t in tried if t.worst <= _NEAR_BEST * best)
-
-
-def _max_abs(array: np.ndarray) -> float:
-    finite = array[np.isfinite(array)]
-    return float(np.abs(finite.astype(np.float64)).max(initial=0.0))
 
 
 def _pinned(culprit: Culprit, diffs: list[LayerDiff], round_index: int) -> PinnedNode:

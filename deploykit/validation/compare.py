@@ -157,6 +157,11 @@ def _nice_ceiling(value: float) -> float:
         exponent += 1
 
 
+def finite_max_abs(array: np.ndarray) -> float:
+    """The largest magnitude among an array's finite values, in float64 (0 for none)."""
+    return float(np.abs(array[np.isfinite(array)].astype(np.float64)).max(initial=0.0))
+
+
 def max_abs_error(a: np.ndarray, b: np.ndarray) -> float:
     """max |a - b| in float64 over the elements finite in both."""
     a64, b64 = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()

@@ -23,11 +23,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from deploykit.passes.precision import is_low, source_name
+from deploykit.passes.precision import LOW_TYPES, is_low, source_name
 from deploykit.validation.cost import is_matrix, multiply_adds
 
 PATH = "high-magnitude path"
@@ -35,7 +34,6 @@ CHAIN = "chains between fp32 nodes"
 BOTH = "high-magnitude path and chains"
 #: Thresholds of the high-magnitude path: the largest value, then halved this many times less one.
 PATH_LEVELS = 8
-_NUMPY_TYPES = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 
 
 @dataclasses.dataclass
@@ -118,7 +116,7 @@ def _path_groups(low: list[ir.Node], magnitudes: dict, shapes: dict, precision: 
 
 def _spacing(value: float, precision: str) -> float:
     """The distance between neighbouring ``precision`` numbers at ``value``."""
-    kind = _NUMPY_TYPES[precision]
+    kind = LOW_TYPES[precision].numpy()
     return float(np.spacing(np.array(value, dtype=kind)).astype(np.float64))
 
 
