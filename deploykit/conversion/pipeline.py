@@ -43,7 +43,7 @@ from deploykit.passes.precision import check_precision
 from deploykit.report import render_html
 from deploykit.specs import BatchRange, InputSpec
 from deploykit.validation.compare import parse_tolerances
-from deploykit.validation.inputs import load_feeds, random_feeds
+from deploykit.validation.inputs import batch_size, load_feeds, random_feeds
 from deploykit.validation.validate import CandidateValidation, validate
 from deploykit.versions import tool_versions
 
@@ -156,7 +156,7 @@ def _compile_aoti(state: ConversionState) -> None:
     graph = state.shipped_graph.graph
     io = [tensor_spec(v, options.batch.to_json() if options.batch else None) for v in graph.input], \
         [tensor_spec(v) for v in graph.output]
-    sizes = [int(next(iter(feeds.values())).shape[0]) for feeds in state.feed_sets]
+    sizes = [batch_size(feeds) for feeds in state.feed_sets]
     state.aoti = aoti.build_aoti_stage(state.loaded, state.specs, io, options.batch, sizes, options.aoti_shapes,
                                        options.precision)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from deploykit.specs import InputSpec
-from deploykit.validation.inputs import random_feeds
+from deploykit.validation.inputs import batch_size, random_feeds
 
 #: Samples closer than this share of the output's magnitude are one value (fp32 rounding of a constant).
 SAME_VALUE_SHARE = 1e-6
@@ -40,7 +40,7 @@ def _samples(name: str, feed_sets: list[dict], references: list[dict]) -> list[n
     """The output for each input: its rows where it has the batch dimension, else the whole array."""
     rows = []
     for feeds, outputs in zip(feed_sets, references):
-        array, batch = np.asarray(outputs[name]), next(iter(feeds.values())).shape[0]
+        array, batch = np.asarray(outputs[name]), batch_size(feeds)
         rows.extend(array if array.ndim and array.shape[0] == batch else [array])
     return rows
 

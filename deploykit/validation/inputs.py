@@ -71,3 +71,8 @@ def load_feeds(path: str | Path, specs: list[InputSpec]) -> dict[str, np.ndarray
             )
         feeds[spec.name] = array.astype(spec.dtype, copy=False)
     return feeds
+
+
+def batch_size(feeds: dict[str, np.ndarray]) -> int:
+    """The batch of a feed set (dimension 0 of its first input)."""
+    return int(next(iter(feeds.values())).shape[0])

@@ -8,6 +8,7 @@ import numpy as np
 
 from deploykit.validation.compare import FP32_NOISE_MARGIN, OutputComparison, Tolerance, compare_output, max_abs_error
 from deploykit.validation.dependence import inconclusive_outputs
+from deploykit.validation.inputs import batch_size
 from deploykit.errors import BadInputError, DeployKitError, error_summary
 
 
@@ -97,7 +98,7 @@ def validate(
         for feeds, expected in zip(feed_sets, references):
             actual = run_checked(runner, feeds, DeployKitError)
             actuals[label].append(actual)
-            runs.append(BatchRun(_batch_size(feeds), [
+            runs.append(BatchRun(batch_size(feeds), [
                 compare_output(name, expected[name], actual[name], tolerances[name]) for name in expected
             ]))
         results.append(CandidateValidation(label, runner.name, runs, inconclusive))
@@ -145,10 +146,6 @@ def _judge(output, index, references, actual, exact, rounding, peer_error) -> No
     output.judge_by_float64(references[index][name], actual[index][name], exact[index][name], peer_error, elsewhere)
 
 
-def _batch_size(feeds: dict[str, np.ndarray]) -> int:
-    return int(next(iter(feeds.values())).shape[0])
-
-
 def run_checked(runner, feeds, error_type) -> dict[str, np.ndarray]:
     """Run, turning a crash into an error that names the runner and the batch size.
 
@@ -162,5 +159,5 @@ def run_checked(runner, feeds, error_type) -> dict[str, np.ndarray]:
     except Exception as error:
         hint = "narrow --batch to sizes the model accepts" if error_type is BadInputError else "please report this"
         raise error_type(
-            f"{runner.name} fails at batch {_batch_size(feeds)}: {error_summary(error)[:300]}; {hint}"
+            f"{runner.name} fails at batch {batch_size(feeds)}: {error_summary(error)[:300]}; {hint}"
         ) from error
