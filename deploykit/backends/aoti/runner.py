@@ -10,6 +10,7 @@ import contextlib
 import numpy as np
 
 from deploykit.backends.aoti.loader import Package
+from deploykit.backends.base.capture import GPU_WORK
 from deploykit.backends.base.feeds import (
     DeviceArray, Feed, numpy_dtype, output_kind,
 )
@@ -66,15 +67,20 @@ class AotiRunner(Runner):
         batch = given[self.input_names[0]].shape[0]
         package = self.package_for(batch)
         self.served[batch] = package.file
-        tensors = [self._tensor(given[name]) for name in self.input_names]
-        with self.torch.inference_mode(), exact_fp32(package.entry):
-            outputs = self._call(package, tensors)
-        return {name: self._deliver(tensor, kind, device) for name, tensor in zip(self.output_names, outputs)}
+        key = (package.file, *(given[name].shape for name in self.input_names))
+        capturing = package.cuda_graph and key not in self._graphs
+        with self._gpu_work(capturing), self.torch.inference_mode(), exact_fp32(package.entry):
+            tensors = [self._tensor(given[name]) for name in self.input_names]
+            outputs = self._call(package, tensors, key)
+            return {name: self._deliver(tensor, kind, device) for name, tensor in zip(self.output_names, outputs)}
 
-    def _call(self, package: Package, tensors: list) -> list:
+    def _gpu_work(self, capturing: bool):
+        """The process's GPU lock (``backends.base.capture``): alone while a graph is captured."""
+        return GPU_WORK.around(capturing) if self.torch_device.type == "cuda" else contextlib.nullcontext()
+
+    def _call(self, package: Package, tensors: list, key: tuple) -> list:
         if not package.cuda_graph:
             return flat_outputs(package.model(*tensors))
-        key = (package.file, *(tuple(t.shape) for t in tensors))
         graph = self._graphs.get(key)
         if graph is None:
             try:

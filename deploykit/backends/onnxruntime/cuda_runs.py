@@ -8,6 +8,9 @@ orders that stream after the caller's current stream and the caller's after it w
 ONNX Runtime is told not to synchronise at the end of a run, so nothing waits for the whole
 device and outputs are ready for whatever the caller queues next on its stream.
 
+A plan's first ``CAPTURE_RUNS`` runs may capture its graph, so they hold the process's GPU lock
+alone (``backends.base.capture``); later runs share it.
+
 Needs torch (its allocator, streams and events); without torch the runner binds pointers and
 lets ONNX Runtime synchronise (``OnnxRuntimeRunner``).
 """
@@ -18,8 +21,13 @@ import dataclasses
 
 import numpy as np
 
+from deploykit.backends.base.capture import GPU_WORK
 from deploykit.backends.base.feeds import Feed, numpy_dtype
 from deploykit.backends.base.memory import TorchMemory
+
+#: ONNX Runtime's CUDA provider runs a new graph id uncaptured (one or two runs, by version, so its
+#: arena has allocated everything) and captures it on the run after.
+CAPTURE_RUNS = 3
 
 
 @dataclasses.dataclass
@@ -33,6 +41,7 @@ class ShapePlan:
     output_shapes: list[tuple[int, ...]]
     inputs: dict | None = None
     outputs: list | None = None
+    runs: int = 0
 
 
 class CudaRuns:
@@ -55,12 +64,23 @@ class CudaRuns:
         """Output tensors (the caller's to keep), or None when the outputs' shapes do not follow from
         the inputs' (no plan can bind them). ``output_shapes(given)`` is asked once per input shape."""
         key = tuple((name, feed.shape, feed.dtype.str) for name, feed in given.items())
-        if key not in self.plans:
-            shapes = output_shapes(given)
-            self.plans[key] = None if None in shapes else self._plan(given, shapes)
+        with GPU_WORK.around(self._may_capture(key)):
+            plan = self.plans.get(key)
+            if key not in self.plans:
+                shapes = output_shapes(given)
+                plan = self.plans[key] = None if None in shapes else self._plan(given, shapes)
+            if plan is None:
+                return None
+            plan.runs += 1
+            return self._run(plan, given)
+
+    def _may_capture(self, key: tuple) -> bool:
+        if not self.graphs or key not in self.plans:
+            return self.graphs
         plan = self.plans[key]
-        if plan is None:
-            return None
+        return plan is not None and plan.runs < CAPTURE_RUNS
+
+    def _run(self, plan: ShapePlan, given: dict[str, Feed]) -> list:
         torch, stream = self.torch, self.stream
         caller = torch.cuda.current_stream(self.device)
         tensors = {name: self._tensor(feed) for name, feed in given.items()}

@@ -15,6 +15,7 @@ from deploykit.backends.base.feeds import (
 )
 from deploykit.backends.base.memory import TorchMemory
 from deploykit.backends.base.runner import Runner
+from deploykit.backends.base.capture import GPU_WORK
 from deploykit.backends.onnxruntime.cuda_runs import CudaRuns
 
 
@@ -58,8 +59,14 @@ class OnnxRuntimeRunner(Runner):
         if self.cuda_runs is not None and (outputs := self.cuda_runs.run(given, self.output_shapes)) is not None:
             deliver = self.cuda_runs.memory.deliver
             return {name: deliver(tensor, kind, device) for name, tensor in zip(self.output_names, outputs)}
-        if self.device == "cuda" and any(feed.on_device for feed in given.values()):
-            return self._run_bound(given, kind, device)
+        if self.device != "cuda":
+            return self._run_host(given, kind, device)
+        with GPU_WORK.shared():  # no graph is captured in this process meanwhile (backends.base.capture)
+            if any(feed.on_device for feed in given.values()):
+                return self._run_bound(given, kind, device)
+            return self._run_host(given, kind, device)
+
+    def _run_host(self, given: dict[str, Feed], kind: str, device: str | None) -> dict:
         host = {name: feed.host() for name, feed in given.items()}
         values = self.session.run(None, host, self._uncaptured())
         return {name: deliver_host(value, kind, device) for name, value in zip(self.output_names, values)}
