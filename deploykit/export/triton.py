@@ -17,9 +17,9 @@ from pathlib import Path
 from deploykit.bundle import trust
 from deploykit.bundle.format import sha256_of
 from deploykit.bundle.read import Bundle, check_validation, open_bundle
-from deploykit.backends.base.feeds import batch_sizes
 from deploykit.backends.onnxruntime.loader import MIN_ORT_FOR_OP_LIBRARY
 from deploykit.errors import BadInputError, EnvironmentProblem
+from deploykit.serving.models import batch_range
 from deploykit.serving.protocol import datatype_of
 
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}
@@ -120,7 +120,7 @@ def export_triton(bundle_path: Path, repo: Path, name: str | None = None, *, pla
     model_dir = repo / name
     if model_dir.exists() and not force:
         raise BadInputError(f"{model_dir} exists: pass --force to replace it, or choose another --name")
-    dynamic = batch_sizes(bundle.inputs)
+    dynamic = batch_range(bundle.inputs, bundle.outputs)
     max_batch = dynamic[2] if dynamic else 0
     preferred = sorted({b for b in bundle.manifest.get("validation", {}).get("batch_sizes", [])
                         if dynamic and dynamic[0] <= b <= dynamic[2]})

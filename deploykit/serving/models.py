@@ -113,9 +113,8 @@ def _load_model(path: Path, name: str, options: ServeOptions) -> ServedModel:
     placements = [options.devices[i % len(options.devices)] for i in range(options.instances)]
     runners = [load(path, options.backend, place, allow_failed=options.allow_failed, trust_native=options.trust_native)
                for place in placements]
-    dynamic = batch_sizes(runners[0].inputs)
-    batchable = dynamic is not None and all(_follows_batch(spec, runners[0].inputs) for spec in runners[0].outputs)
-    if not batchable:
+    dynamic = batch_range(runners[0].inputs, runners[0].outputs)
+    if dynamic is None:
         return ServedModel(name, path, runners, placements, 1, [], options.allow_nan)
     low, _, high = dynamic
     max_batch = options.max_batch or high
@@ -124,6 +123,16 @@ def _load_model(path: Path, name: str, options: ServeOptions) -> ServedModel:
                             "choose one in it (or convert with a wider --batch)")
     buckets = choose_buckets(options.buckets, runners[0], low, max_batch)
     return ServedModel(name, path, runners, placements, max_batch, buckets, options.allow_nan)
+
+
+def batch_range(inputs: list[dict], outputs: list[dict]) -> tuple[int, int, int] | None:
+    """(min, opt, max) of the batch when runs of several requests can be batched: a dynamic batch
+    and every output split by it; else None. ``serve`` and ``export triton`` both ask this, so a
+    model batches alike in both."""
+    dynamic = batch_sizes(inputs)
+    if dynamic is None or not all(_follows_batch(spec, inputs) for spec in outputs):
+        return None
+    return dynamic
 
 
 def _follows_batch(output: dict, inputs: list[dict]) -> bool:
