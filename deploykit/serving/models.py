@@ -108,10 +108,11 @@ def load_models(paths: list[Path], options: ServeOptions) -> list[ServedModel]:
 
 
 def _load_model(path: Path, name: str, options: ServeOptions) -> ServedModel:
-    from deploykit.runtime import load
+    from deploykit.runtime import load, open_bundle
 
     placements = [options.devices[i % len(options.devices)] for i in range(options.instances)]
-    runners = [load(path, options.backend, place, allow_failed=options.allow_failed, trust_native=options.trust_native)
+    opened = open_bundle(path)  # one Bundle for every instance: each file is hashed once
+    runners = [load(opened, options.backend, place, allow_failed=options.allow_failed, trust_native=options.trust_native)
                for place in placements]
     dynamic = batch_range(runners[0].inputs, runners[0].outputs)
     if dynamic is None:

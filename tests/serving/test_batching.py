@@ -91,3 +91,23 @@ def test_a_static_batch_model_refuses_nan_too(tmp_path):
         model.check({"features": features})
     allowed = load_models([tmp_path / "static"], ServeOptions(devices=("cpu",), allow_nan=True))[0]
     assert allowed.check({"features": features}) == 1
+
+
+def test_instances_share_one_verification_of_the_bundle(monkeypatch):
+    """Three instances: each bundle file they use is hashed once, not once per instance."""
+    import collections
+
+    from deploykit.bundle import read
+
+    bundle = converted_bundles.converted("tabular")
+    hashed = collections.Counter()
+
+    def counting(path):
+        hashed[path.name] += 1
+        return real(path)
+
+    real = read.sha256_of
+    monkeypatch.setattr(read, "sha256_of", counting)
+    model = load_models([bundle], ServeOptions(devices=("cpu",), instances=3))[0]
+    assert len(model.runners) == 3 and hashed["model.onnx"] == 1
+    assert set(hashed.values()) == {1}, hashed
