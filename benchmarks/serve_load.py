@@ -211,9 +211,9 @@ def markdown(results: list[dict], args) -> str:
              "| mode | clients | requests/s | rows/s | p50 ms | p99 ms | runs | mean rows/run | errors | wrong | "
              "bit-exact |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
-        lines.append(f"| {r['mode']} | {r['clients']} | {r['throughput']:.0f} | {r['rows_per_s']:.0f} | {r['p50_ms']:.2f} | "
-                     f"{r['p99_ms']:.2f} | {r['runs']:.0f} | {r['mean_batch']:.2f} | {r['errors']} | {r['wrong']} | "
-                     f"{r['exact']}/{r['requests']} |")
+        lines.append(f"| {r['mode']} | {r['clients']} | {r['throughput']:.0f} | {r['rows_per_s']:.0f} | "
+                     f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['runs']:.0f} | {r['mean_batch']:.2f} | "
+                     f"{r['errors']} | {r['wrong']} | {r['exact']}/{r['requests']} |")
     return "\n".join(lines)
 
 

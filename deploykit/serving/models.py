@@ -114,8 +114,8 @@ def _load_model(path: Path, name: str, placements: list[str], options: ServeOpti
     from deploykit.runtime import load, open_bundle
 
     opened = open_bundle(path)  # one Bundle for every instance: each file is hashed once
-    runners = [load(opened, options.backend, place, allow_failed=options.allow_failed, trust_native=options.trust_native)
-               for place in placements]
+    runners = [load(opened, options.backend, place, allow_failed=options.allow_failed,
+                    trust_native=options.trust_native) for place in placements]
     dynamic = batch_range(runners[0].inputs, runners[0].outputs)
     if dynamic is None:
         return ServedModel(name, path, runners, placements, 1, [], options.allow_nan)

@@ -1,4 +1,5 @@
-"""A real ``deploykit serve`` in a subprocess on 127.0.0.1 (deploykit.serving.launch), for tests that talk HTTP to it."""
+"""A real ``deploykit serve`` in a subprocess on 127.0.0.1 (deploykit.serving.launch), for tests that
+talk HTTP to it."""
 
 from __future__ import annotations
 

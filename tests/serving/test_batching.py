@@ -120,7 +120,8 @@ def test_instances_share_one_verification_of_the_bundle(monkeypatch):
 class GatedRunner:
     """Doubles its input; each run says how many rows it got and waits for the test's go."""
 
-    inputs = [{"name": "x", "dtype": "float32", "shape": ["batch", 2], "dynamic": {"0": {"min": 1, "opt": 2, "max": 4}}}]
+    inputs = [{"name": "x", "dtype": "float32", "shape": ["batch", 2],
+               "dynamic": {"0": {"min": 1, "opt": 2, "max": 4}}}]
     outputs = [{"name": "y", "dtype": "float32", "shape": ["batch", 2]}]
     device = "cpu"
 
