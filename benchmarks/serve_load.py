@@ -163,10 +163,10 @@ def run_mode(mode: str, cases: list, args, log: Path) -> list[dict]:
         with launch.running_server(serve_args, log, startup_s=120) as server:
             bodies = [request_body(inputs) for inputs, _ in cases]
             client(server.port, model, bodies, cases, 20, 0, {})  # warm-up: sessions, allocators, connections
-            results = [timed_load(server.port, model, bodies, cases, clients, args) | {"mode": f"batching {mode}"}
+            results = [{"mode": f"batching {mode}", **timed_load(server.port, model, bodies, cases, clients, args)}
                        for clients in args.clients]
             server.stop(60)
-    except RuntimeError as error:  # the server did not start: its log says why
+    except RuntimeError as error:  # the server exited or was not ready: its log says why
         raise SystemExit(str(error)) from None
     return results
 
@@ -206,7 +206,7 @@ def machine(device: str) -> str:
 
 
 def markdown(results: list[dict], args) -> str:
-    lines = [f"{args.bundle.name} on {args.device} ({machine(args.device)}): clients x {args.requests} requests "
+    lines = [f"{args.bundle.name} on {args.device} ({machine(args.device)}): each client {args.requests} requests "
              f"of {args.rows} row(s), {args.instances} instance(s)", "",
              "| mode | clients | requests/s | rows/s | p50 ms | p99 ms | runs | mean rows/run | errors | wrong | "
              "bit-exact |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]

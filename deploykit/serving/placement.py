@@ -34,6 +34,7 @@ def instance_devices(devices: Sequence[str], instances: int) -> list[str]:
 
 
 def _gpus(listed: list[str]) -> list[str]:
+    """``cuda`` as every GPU seen; a ``cuda:K`` beyond them refused before any runner loads."""
     count = visible_gpus()
     if count == 0:
         raise EnvironmentProblem(f"--device {','.join(listed)}: no GPU is visible here (check nvidia-smi and "
