@@ -5,7 +5,7 @@
 # (`deploykit tune`), then one `deploykit bench` per bundle beside eager PyTorch and
 # torch.compile(mode="reduce-overhead") in the bundle's precision.
 #   OUT=/tmp/results STEPS="convert tune bench" bash benchmarks/run_issue13_device.sh [MODEL...]
-# (default: all three models, all steps). Conversions are CPU-bound and run side by side; tuning and
+# (default: all three models, all steps; PRECISIONS="fp16" for one precision). Conversions are CPU-bound and run side by side; tuning and
 # timing run one at a time so that nothing else shares the GPU while it is timed. Steps can go in
 # separate 10-minute device calls: bundles stay in $WORK while the machine is warm.
 # Results: $OUT/summary.md, and $OUT/results.tgz with <model>-<precision>/bench.json, the bundles'
@@ -24,7 +24,7 @@ stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 models=${*:-resnet50 vit_b_16 bert_base}
 steps=${STEPS:-convert tune bench}
 has_step() { [[ " $steps " == *" $1 "* ]]; }
-precisions="fp16 fp32"
+precisions=${PRECISIONS:-fp16 fp32}
 declare -A factory=([resnet50]=torchvision.models:resnet50 [vit_b_16]=model_zoo:vit_b_16 [bert_base]=model_zoo:bert_base)
 declare -A inputs=([resnet50]="--input x:1x3x224x224" [vit_b_16]="--input x:1x3x224x224"
                    [bert_base]="--input input_ids:1x128:int64 --input attention_mask:1x128:int64")

@@ -2,11 +2,14 @@
 dynamic batching on and off; every answer is checked against ``deploykit run`` on the same input.
 
 Each client is a thread with one keep-alive connection sending binary-tensor requests of
-``--rows`` rows, drawn from a few seeded inputs whose reference outputs ``deploykit run`` wrote.
-The run ends by itself (a fixed number of requests); it fails (exit 1) on any error or wrong answer.
+``--rows`` rows, drawn from a few seeded inputs whose reference outputs ``deploykit run`` wrote
+(on the first device of ``--device``). Each mode starts one server (its log: serve-MODE.log in
+``--out``) and runs every ``--clients`` count against it in turn. The run ends by itself (a fixed
+number of requests); it fails (exit 1) on any error or wrong answer.
 
-Usage: python benchmarks/serve_load.py BUNDLE [--device cpu|cuda[:N]] [--clients 32] [--requests 200]
-                                       [--rows 1] [--instances 1] [--out DIR]
+Usage: python benchmarks/serve_load.py BUNDLE [--device cpu|cuda|cuda:N[,...]] [--clients 32[,128...]]
+                                       [--requests 200] [--rows 1] [--instances 1] [--batching both|on|off]
+                                       [--out DIR]
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import http.client
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,33 +29,42 @@ from pathlib import Path
 
 import numpy as np
 
+from deploykit.serving import launch
+
 DISTINCT_INPUTS = 4
-#: (label, serve options): batching on with the defaults, off with one request per run.
-MODES = [("batching on", []), ("batching off", ["--max-batch", "1", "--max-delay-ms", "0"])]
+#: batching on: serve's defaults; off: one request per run.
+MODES = {"on": [], "off": ["--max-batch", "1", "--max-delay-ms", "0"]}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("bundle", type=Path)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--clients", type=counts, default=[32], help="concurrent clients, a comma list runs each")
     parser.add_argument("--requests", type=int, default=200, help="per client")
     parser.add_argument("--rows", type=int, default=1, help="rows per request")
     parser.add_argument("--instances", type=int, default=1)
-    parser.add_argument("--out", type=Path, help="write serve_load.md and serve_load.json here")
+    parser.add_argument("--batching", choices=["both", "on", "off"], default="both")
+    parser.add_argument("--out", type=Path, help="write serve_load.md, serve_load.json and the servers' logs here")
     args = parser.parse_args()
+    modes = ["on", "off"] if args.batching == "both" else [args.batching]
     with tempfile.TemporaryDirectory(prefix="serve-load-") as work:
-        cases = reference_cases(args.bundle, args.device, args.rows, Path(work))
-        results = [run_mode(label, extra, cases, args) for label, extra in MODES]
+        logs = args.out or Path(work)
+        logs.mkdir(parents=True, exist_ok=True)
+        cases = reference_cases(args.bundle, args.device.split(",")[0], args.rows, Path(work))
+        results = [result for mode in modes for result in run_mode(mode, cases, args, logs / f"serve-{mode}.log")]
     table = markdown(results, args)
     print(table)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "serve_load.md").write_text(table + "\n")
         (args.out / "serve_load.json").write_text(json.dumps({"machine": machine(args.device), "args": {
             k: str(v) for k, v in vars(args).items()}, "results": results}, indent=2))
     failed = [r for r in results if r["errors"] or r["wrong"]]
     return 1 if failed else 0
+
+
+def counts(text: str) -> list[int]:
+    return [int(part) for part in text.split(",")]
 
 
 def deploykit_cli(*args) -> None:
@@ -74,30 +85,6 @@ def reference_cases(bundle: Path, device: str, rows: int, work: Path) -> list[tu
         with np.load(work / f"y{seed}.npz") as outputs:
             cases.append((inputs, dict(outputs)))
     return cases
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def start_server(bundle: Path, device: str, instances: int, extra: list[str]) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "deploykit", "serve", str(bundle), "--device", device,
-                                "--instances", str(instances), "--port", str(port), "--no-access-log",
-                                "--max-queue", "4096", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"deploykit serve exited {process.returncode}: {process.stderr.read().decode()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1):
-                return process, port
-        except OSError:
-            time.sleep(0.2)
-    process.kill()
-    raise SystemExit("deploykit serve did not become ready within 120 s")
 
 
 def request_body(inputs: dict[str, np.ndarray]) -> tuple[bytes, int]:
@@ -167,29 +154,39 @@ def batch_stats(port: int, model: str) -> tuple[float, float]:
     return values.get("deploykit_batch_size_count", 0.0), values.get("deploykit_batch_size_sum", 0.0)
 
 
-def run_mode(label: str, extra: list[str], cases: list, args) -> dict:
+def run_mode(mode: str, cases: list, args, log: Path) -> list[dict]:
+    """One server with batching ``mode``, warmed up, then each ``--clients`` count in turn."""
     model = args.bundle.resolve().name
-    process, port = start_server(args.bundle, args.device, args.instances, extra)
+    serve_args = [args.bundle, "--device", args.device, "--instances", args.instances, "--no-access-log",
+                  "--max-queue", "4096", *MODES[mode]]
     try:
-        bodies = [request_body(inputs) for inputs, _ in cases]
-        client(port, model, bodies, cases, 20, 0, {})  # warm-up: sessions, allocators, connections
-        warm_runs, warm_rows = batch_stats(port, model)
-        record: dict = {}
-        threads = [threading.Thread(target=client, args=(port, model, bodies, cases, args.requests, i, record))
-                   for i in range(args.clients)]
-        start = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        seconds = time.perf_counter() - start
-        runs, rows = batch_stats(port, model)
-    finally:
-        process.terminate()
-        process.wait(60)
+        with launch.running_server(serve_args, log, startup_s=120) as server:
+            bodies = [request_body(inputs) for inputs, _ in cases]
+            client(server.port, model, bodies, cases, 20, 0, {})  # warm-up: sessions, allocators, connections
+            results = [{"mode": f"batching {mode}", **timed_load(server.port, model, bodies, cases, clients, args)}
+                       for clients in args.clients]
+            server.stop(60)
+    except RuntimeError as error:  # the server exited or was not ready: its log says why
+        raise SystemExit(str(error)) from None
+    return results
+
+
+def timed_load(port: int, model: str, bodies: list, cases: list, clients: int, args) -> dict:
+    """``clients`` threads of ``--requests`` requests each; throughput, latencies and batches while they ran."""
+    warm_runs, warm_rows = batch_stats(port, model)
+    record: dict = {}
+    threads = [threading.Thread(target=client, args=(port, model, bodies, cases, args.requests, i, record))
+               for i in range(clients)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - start
+    runs, rows = batch_stats(port, model)
     latencies = np.array([x for r in record.values() for x in r["latencies"]])
-    total = args.clients * args.requests
-    return {"mode": label, "requests": total, "seconds": seconds, "throughput": total / seconds,
+    total = clients * args.requests
+    return {"clients": clients, "requests": total, "seconds": seconds, "throughput": total / seconds,
             "rows_per_s": total * args.rows / seconds, "p50_ms": float(np.percentile(latencies, 50) * 1e3),
             "p99_ms": float(np.percentile(latencies, 99) * 1e3), "runs": runs - warm_runs,
             "mean_batch": (rows - warm_rows) / max(runs - warm_runs, 1),
@@ -200,23 +197,23 @@ def run_mode(label: str, extra: list[str], cases: list, args) -> dict:
 def machine(device: str) -> str:
     if device.startswith("cuda"):
         try:
-            name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                                  text=True, check=True).stdout.splitlines()[0]
-            return f"{name}, {os.cpu_count()} CPU cores"
+            names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                   text=True, check=True).stdout.splitlines()
+            return f"{len(names)} x {names[0]}, {os.cpu_count()} CPU cores"
         except (OSError, subprocess.CalledProcessError, IndexError):
             return f"{device}, {os.cpu_count()} CPU cores"
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores"
 
 
 def markdown(results: list[dict], args) -> str:
-    lines = [f"{args.bundle.name} on {args.device} ({machine(args.device)}): {args.clients} clients x "
-             f"{args.requests} requests of {args.rows} row(s), {args.instances} instance(s)", "",
-             "| mode | requests/s | rows/s | p50 ms | p99 ms | runs | mean rows/run | errors | wrong | bit-exact |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [f"{args.bundle.name} on {args.device} ({machine(args.device)}): each client {args.requests} requests "
+             f"of {args.rows} row(s), {args.instances} instance(s)", "",
+             "| mode | clients | requests/s | rows/s | p50 ms | p99 ms | runs | mean rows/run | errors | wrong | "
+             "bit-exact |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
-        lines.append(f"| {r['mode']} | {r['throughput']:.0f} | {r['rows_per_s']:.0f} | {r['p50_ms']:.2f} | "
-                     f"{r['p99_ms']:.2f} | {r['runs']:.0f} | {r['mean_batch']:.2f} | {r['errors']} | {r['wrong']} | "
-                     f"{r['exact']}/{r['requests']} |")
+        lines.append(f"| {r['mode']} | {r['clients']} | {r['throughput']:.0f} | {r['rows_per_s']:.0f} | "
+                     f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['runs']:.0f} | {r['mean_batch']:.2f} | "
+                     f"{r['errors']} | {r['wrong']} | {r['exact']}/{r['requests']} |")
     return "\n".join(lines)
 
 

@@ -17,8 +17,10 @@ from deploykit.cli._common import (
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port (0: any free one).")
 @click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto", show_default=True,
               help="How deploykit.load runs each bundle.")
-@click.option("--device", "devices", multiple=True, metavar="auto|cpu|cuda[:N]",
-              help="Where instances run, round-robin when repeated (default: auto).")
+@click.option("--device", "devices", multiple=True, metavar="auto|cpu|cuda|cuda:N[,...]",
+              help="Where instances run: cuda is every visible GPU, cuda:N one, a comma list (or the option "
+                   "repeated) several; instance i runs on device i mod their count (default: auto, "
+                   "deploykit.load's choice: GPU 0 or the CPU).")
 @click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
               help="Runners per model, each with its own worker.")
 @click.option("--max-batch", type=click.IntRange(min=1), help="Rows per run (default: the bundle's maximum batch).")

@@ -17,9 +17,9 @@ from pathlib import Path
 from deploykit.bundle import trust
 from deploykit.bundle.format import sha256_of
 from deploykit.bundle.read import Bundle, check_validation, open_bundle
-from deploykit.backends.base.feeds import batch_sizes
 from deploykit.backends.onnxruntime.loader import MIN_ORT_FOR_OP_LIBRARY
 from deploykit.errors import BadInputError, EnvironmentProblem
+from deploykit.serving.models import batch_range
 from deploykit.serving.protocol import datatype_of
 
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}
@@ -41,17 +41,26 @@ def tensor_configs(specs: list[dict], batched: bool) -> list[dict]:
 
 def model_config(name: str, platform: str, inputs: list[dict], outputs: list[dict], max_batch: int,
                  preferred: list[int], max_delay_ms: float, instances: int, gpus: list[int] | None) -> dict:
-    """A ModelConfig as a dict of its protobuf field names (max_batch 0: Triton does not batch)."""
+    """A ModelConfig as a dict of its protobuf field names (max_batch 0: Triton does not batch);
+    ``gpus``: the GPU of each instance, None on the CPU."""
     config = {"name": name, "platform": platform, "max_batch_size": max_batch,
               "input": tensor_configs(inputs, max_batch > 0), "output": tensor_configs(outputs, max_batch > 0)}
     if max_batch > 0:
         config["dynamic_batching"] = {"preferred_batch_size": preferred,
                                       "max_queue_delay_microseconds": round(max_delay_ms * 1000)}
-    group = {"count": instances, "kind": Enum("KIND_GPU" if gpus is not None else "KIND_CPU")}
-    if gpus:
-        group["gpus"] = gpus
-    config["instance_group"] = [group]
+    config["instance_group"] = instance_groups(instances, gpus)
     return config
+
+
+def instance_groups(instances: int, gpus: list[int] | None) -> list[dict]:
+    """Triton's instance_group, whose ``count`` is per listed GPU: GPUs that hold as many instances
+    share a group (two on cuda:0 and one on cuda:1 are two groups)."""
+    if gpus is None:
+        return [{"count": instances, "kind": Enum("KIND_CPU")}]
+    alike: dict[int, list[int]] = {}
+    for gpu in sorted(set(gpus)):
+        alike.setdefault(gpus.count(gpu), []).append(gpu)
+    return [{"count": count, "kind": Enum("KIND_GPU"), "gpus": listed} for count, listed in alike.items()]
 
 
 def served_config(model, max_delay_ms: float) -> dict:
@@ -120,12 +129,12 @@ def export_triton(bundle_path: Path, repo: Path, name: str | None = None, *, pla
     model_dir = repo / name
     if model_dir.exists() and not force:
         raise BadInputError(f"{model_dir} exists: pass --force to replace it, or choose another --name")
-    dynamic = batch_sizes(bundle.inputs)
+    dynamic = batch_range(bundle.inputs, bundle.outputs)
     max_batch = dynamic[2] if dynamic else 0
     preferred = sorted({b for b in bundle.manifest.get("validation", {}).get("batch_sizes", [])
                         if dynamic and dynamic[0] <= b <= dynamic[2]})
     config = model_config(name, PLATFORMS[platform], bundle.inputs, bundle.outputs, max_batch, preferred,
-                          max_delay_ms, instances, [device_id] if kind == "cuda" else None)
+                          max_delay_ms, instances, [device_id] * instances if kind == "cuda" else None)
     staging = repo / f".{name}.staging"
     shutil.rmtree(staging, ignore_errors=True)
     (staging / "1").mkdir(parents=True)

@@ -77,10 +77,11 @@ def has_gpu() -> bool:
     return not isinstance(local_gpus(), str)
 
 
-def load(bundle: str | Path, backend: str = "auto", device: str = "auto", *, allow_failed: bool = False,
+def load(bundle: str | Path | Bundle, backend: str = "auto", device: str = "auto", *, allow_failed: bool = False,
          op_library: bool = True, verify: bool = True, allow_unvalidated: bool = False, trust_native: bool = False,
          **options) -> Runner:
-    """Open a bundle and return a runner for it.
+    """Open a bundle (or take one opened by ``open_bundle``, whose files verified once are not hashed
+    again: several runners of one bundle) and return a runner for it.
 
     ``backend``: auto (the fastest validated choice per batch size where the bundle was tuned on a
     machine like this one, docs/tuning.md; else the engine where this GPU runs it, else ONNX
@@ -96,7 +97,7 @@ def load(bundle: str | Path, backend: str = "auto", device: str = "auto", *, all
     threads, cuda_graph, stream, tf32, profile_prefix; AOTInductor: cuda_graph, packages). Why a backend was chosen and what differs from the
     conversion machine are in ``runner.notes``; the latter are also issued as warnings.
     """
-    opened = open_bundle(bundle)
+    opened = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
     check_validation(opened, allow_failed)
     kind, device_id = parse_device(device)
     notes: list[str] = []

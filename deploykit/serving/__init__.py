@@ -2,7 +2,9 @@
 
 ``protocol`` (the v2 wire format, JSON and binary tensors), ``models`` (bundles loaded by
 ``deploykit.load``, one runner per instance, requests checked against the manifest),
-``batching`` (the queue and the worker per runner), ``metrics`` (Prometheus), ``app`` (the
-FastAPI routes, auth, limits, access log) and ``server`` (uvicorn, graceful shutdown). FastAPI,
-uvicorn and prometheus-client come with the ``deploykit[serve]`` extra.
+``placement`` (which device each instance runs on), ``batching`` (the queue and the worker per
+runner), ``metrics`` (Prometheus), ``app`` (the FastAPI routes, auth, limits, access log),
+``server`` (uvicorn, graceful shutdown) and ``launch`` (a server in a subprocess, for the load
+benchmark and the tests). FastAPI, uvicorn and prometheus-client come with the
+``deploykit[serve]`` extra.
 """

@@ -39,6 +39,7 @@ class Batcher:
     def __init__(self, model: ServedModel, max_delay_s: float, max_queue: int, metrics):
         self.model, self.max_delay, self.max_queue, self.metrics = model, max_delay_s, max_queue, metrics
         self._queue: collections.deque[Pending] = collections.deque()
+        self._rows = 0  # the rows in _queue, kept as it changes: workers ask on every wake-up
         self._ready = threading.Condition()
         self._closed = False
         self._workers = [threading.Thread(target=self._work, args=(runner,), name=f"{model.name}-{i}", daemon=True)
@@ -55,6 +56,7 @@ class Batcher:
                 raise RequestError(503, f"{self.model.name}'s queue is full ({self.max_queue} requests waiting): "
                                         "retry later", "queue_full", {"Retry-After": "1"})
             self._queue.append(Pending(inputs, rows, future, time.perf_counter()))
+            self._rows += rows
             self._queue_changed()
             self._ready.notify()
         return future
@@ -66,6 +68,11 @@ class Batcher:
             self._ready.notify_all()
         for worker in self._workers:
             worker.join()
+
+    @property
+    def queued_rows(self) -> int:
+        """Rows waiting (requests that timed out included until a worker drops them)."""
+        return self._rows
 
     def _queue_changed(self) -> None:
         self.metrics.queue_depth.labels(self.model.name).set(len(self._queue))
@@ -83,7 +90,7 @@ class Batcher:
                     return None
                 self._ready.wait()
             deadline = self._queue[0].arrived + self.max_delay
-            while (not self._closed and sum(p.rows for p in self._queue) < self.model.max_batch
+            while (not self._closed and self._rows < self.model.max_batch
                    and (left := deadline - time.perf_counter()) > 0):
                 self._ready.wait(left)
                 if not self._queue:  # another worker took them
@@ -91,6 +98,7 @@ class Batcher:
             batch, rows = [], 0
             while self._queue and (not batch or rows + self._queue[0].rows <= self.model.max_batch):
                 pending = self._queue.popleft()
+                self._rows -= pending.rows
                 if pending.future.set_running_or_notify_cancel():  # False: it timed out while waiting
                     batch.append(pending)
                     rows += pending.rows

@@ -21,7 +21,7 @@ class ServeOptions:
     """How each bundle is loaded and batched (the CLI's options)."""
 
     backend: str = "auto"
-    devices: tuple[str, ...] = ("auto",)
+    devices: tuple[str, ...] = ("auto",)  # --device values, see serving.placement
     instances: int = 1
     max_batch: int | None = None  # None: the bundle's maximum batch
     buckets: str = "auto"  # auto | exact | validated | "1,2,4"
@@ -37,7 +37,7 @@ class ServedModel:
     name: str
     path: Path
     runners: list
-    placements: list[str]  # the --device each runner was loaded for
+    placements: list[str]  # the device each runner was loaded for
     max_batch: int  # rows per run; 1 when the bundle's batch is static
     buckets: list[int]  # the batch sizes runs are padded to; empty: run the rows as they come
     allow_nan: bool
@@ -56,10 +56,10 @@ class ServedModel:
 
     @property
     def gpus(self) -> list[int] | None:
-        """The GPUs the instances run on; None on the CPU."""
+        """The GPU of each instance; None on the CPU."""
         if self.runner.device != "cuda":
             return None
-        return sorted({parse_device(place)[1] for place in self.placements})
+        return [parse_device(place)[1] for place in self.placements]
 
     @property
     def batching(self) -> bool:
@@ -100,22 +100,24 @@ def _refuse_non_finite(inputs: dict[str, np.ndarray]) -> None:
 
 def load_models(paths: list[Path], options: ServeOptions) -> list[ServedModel]:
     """Every bundle, each under its folder's name, with ``options.instances`` runners placed round-robin."""
+    from deploykit.serving.placement import instance_devices
+
     names = [Path(p).resolve().name for p in paths]
     if len(set(names)) != len(names):
         raise BadInputError(f"two bundles are named {next(n for n in names if names.count(n) > 1)}: models are "
                             "named after their folders, so rename one")
-    return [_load_model(Path(path), name, options) for path, name in zip(paths, names)]
+    placements = instance_devices(options.devices, options.instances)
+    return [_load_model(Path(path), name, placements, options) for path, name in zip(paths, names)]
 
 
-def _load_model(path: Path, name: str, options: ServeOptions) -> ServedModel:
-    from deploykit.runtime import load
+def _load_model(path: Path, name: str, placements: list[str], options: ServeOptions) -> ServedModel:
+    from deploykit.runtime import load, open_bundle
 
-    placements = [options.devices[i % len(options.devices)] for i in range(options.instances)]
-    runners = [load(path, options.backend, place, allow_failed=options.allow_failed, trust_native=options.trust_native)
-               for place in placements]
-    dynamic = batch_sizes(runners[0].inputs)
-    batchable = dynamic is not None and all(_follows_batch(spec, runners[0].inputs) for spec in runners[0].outputs)
-    if not batchable:
+    opened = open_bundle(path)  # one Bundle for every instance: each file is hashed once
+    runners = [load(opened, options.backend, place, allow_failed=options.allow_failed,
+                    trust_native=options.trust_native) for place in placements]
+    dynamic = batch_range(runners[0].inputs, runners[0].outputs)
+    if dynamic is None:
         return ServedModel(name, path, runners, placements, 1, [], options.allow_nan)
     low, _, high = dynamic
     max_batch = options.max_batch or high
@@ -124,6 +126,16 @@ def _load_model(path: Path, name: str, options: ServeOptions) -> ServedModel:
                             "choose one in it (or convert with a wider --batch)")
     buckets = choose_buckets(options.buckets, runners[0], low, max_batch)
     return ServedModel(name, path, runners, placements, max_batch, buckets, options.allow_nan)
+
+
+def batch_range(inputs: list[dict], outputs: list[dict]) -> tuple[int, int, int] | None:
+    """(min, opt, max) of the batch when runs of several requests can be batched: a dynamic batch
+    and every output split by it; else None. ``serve`` and ``export triton`` both ask this, so a
+    model batches alike in both."""
+    dynamic = batch_sizes(inputs)
+    if dynamic is None or not all(_follows_batch(spec, inputs) for spec in outputs):
+        return None
+    return dynamic
 
 
 def _follows_batch(output: dict, inputs: list[dict]) -> bool:

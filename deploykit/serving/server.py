@@ -87,7 +87,7 @@ def _signals_end_quietly():
 
 def model_summary(model) -> str:
     runner = model.runner
-    where = [f"cuda:{gpu}" for gpu in model.gpus] if model.gpus is not None else [runner.device]
+    where = [f"cuda:{gpu}" for gpu in sorted(set(model.gpus))] if model.gpus is not None else [runner.device]
     batching = (f"batches up to {model.max_batch}" + (f", buckets {model.buckets}" if model.buckets else "")
                 if model.batching else "no batching (static batch)")
     return (f"{model.name}: {Path(model.path)} on {runner.backend} ({', '.join(where)}), "

@@ -78,3 +78,16 @@ def test_refusals(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tabular"]  # no staging folder left
     result = run_deploykit("export", "triton", bundle, tmp_path, "--platform", "tensorrt", "--device", "cpu")
     assert result.returncode == 2 and "TensorRT runs on the GPU only" in result.stderr
+
+
+def test_an_output_without_the_batch_dimension_batches_in_neither(tmp_path):
+    """serve and export triton ask one rule: an output that is not split by the batch stops batching in both."""
+    from deploykit.serving.models import ServeOptions, load_models
+
+    bundle = converted_bundles.copy_bundle("tabular", tmp_path)
+    converted_bundles.edit_manifest(bundle, lambda m: m["outputs"][1].update(shape=[16]))
+    served = load_models([bundle], ServeOptions(devices=("cpu",)))[0]
+    assert served.max_batch == 1 and not served.batching
+    config = parsed(export_triton(bundle, tmp_path / "repo", device="cpu").model_dir)
+    assert config.max_batch_size == 0 and not config.HasField("dynamic_batching")
+    assert list(config.input[0].dims) == [-1, 13] and list(config.output[1].dims) == [16]

@@ -18,6 +18,7 @@ if CUDA not in ort.get_available_providers() or not torch.cuda.is_available():
 tritonhttp = pytest.importorskip("tritonclient.http")
 
 import converted_bundles  # noqa: E402
+from deploykit_cli import run_deploykit  # noqa: E402
 from serving import get, metric_samples, running_server  # noqa: E402
 
 import deploykit  # noqa: E402
@@ -52,3 +53,22 @@ def test_two_instances_on_one_gpu(bundle):
             np.testing.assert_allclose(result.as_numpy(name), expected[name], rtol=1e-5, atol=1e-6)
     assert batches["deploykit_batch_size_sum"] == sum(len(x) for x in inputs)
     assert batches["deploykit_batch_size_count"] < len(inputs)  # requests shared runs
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_one_instance_per_gpu(bundle):
+    """--device cuda --instances 2 on two GPUs: one runner on each, both answering; cuda:K beyond them refused."""
+    from deploykit.serving.models import ServeOptions, load_models
+
+    model = load_models([bundle], ServeOptions(backend="onnxruntime", devices=("cuda",), instances=2))[0]
+    assert [runner.device_id for runner in model.runners] == [0, 1]
+    features = np.random.default_rng(0).standard_normal((3, 13)).astype(np.float32)
+    first, second = (runner.run(features=features) for runner in model.runners)
+    np.testing.assert_allclose(second["output_0"], first["output_0"], rtol=1e-5, atol=1e-6)
+    with running_server(bundle, "--backend", "onnxruntime", "--device", "cuda", "--instances", "2") as server:
+        config = json.loads(get(server, f"/v2/models/{MODEL}/config")[2])
+        assert config["instance_group"] == [{"count": 1, "kind": "KIND_GPU", "gpus": [0, 1]}]
+        assert "(cuda:0, cuda:1), 2 instance(s)" in server.output()
+    count = torch.cuda.device_count()
+    result = run_deploykit("serve", bundle, "--device", f"cuda:{count}")
+    assert result.returncode == 2 and f"this process sees {count} GPU(s)" in result.stderr

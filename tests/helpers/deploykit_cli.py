@@ -18,12 +18,17 @@ def run_deploykit(*args, cwd: Path | None = None, columns: int | None = None, ti
                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``python -m deploykit ARGS`` in ``cwd``; ``columns`` is the width its tables are printed at,
     ``env`` variables set on top of this process's."""
-    path = os.pathsep.join(filter(None, [str(HELPERS), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, **(env or {}), "PYTHONPATH": path}
+    env = cli_env(env)
     if columns is not None:
         env["COLUMNS"] = str(columns)
     return subprocess.run([sys.executable, "-m", "deploykit", *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment, ``extra`` on top, and this folder first on PYTHONPATH."""
+    path = os.pathsep.join(filter(None, [str(HELPERS), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, **(extra or {}), "PYTHONPATH": path}
 
 
 def convert(cwd: Path, *args) -> subprocess.CompletedProcess:

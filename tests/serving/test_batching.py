@@ -5,6 +5,10 @@ answers everything still queued.
 
 from __future__ import annotations
 
+import queue
+import threading
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -15,7 +19,7 @@ import converted_bundles  # noqa: E402
 from deploykit.errors import BadInputError  # noqa: E402
 from deploykit.serving.batching import Batcher  # noqa: E402
 from deploykit.serving.metrics import Metrics  # noqa: E402
-from deploykit.serving.models import ServeOptions, load_models  # noqa: E402
+from deploykit.serving.models import ServedModel, ServeOptions, load_models  # noqa: E402
 from deploykit.serving.protocol import RequestError  # noqa: E402
 
 
@@ -91,3 +95,65 @@ def test_a_static_batch_model_refuses_nan_too(tmp_path):
         model.check({"features": features})
     allowed = load_models([tmp_path / "static"], ServeOptions(devices=("cpu",), allow_nan=True))[0]
     assert allowed.check({"features": features}) == 1
+
+
+def test_instances_share_one_verification_of_the_bundle(monkeypatch):
+    """Three instances: each bundle file they use is hashed once, not once per instance."""
+    import collections
+
+    from deploykit.bundle import read
+
+    bundle = converted_bundles.converted("tabular")
+    hashed = collections.Counter()
+
+    def counting(path):
+        hashed[path.name] += 1
+        return real(path)
+
+    real = read.sha256_of
+    monkeypatch.setattr(read, "sha256_of", counting)
+    model = load_models([bundle], ServeOptions(devices=("cpu",), instances=3))[0]
+    assert len(model.runners) == 3 and hashed["model.onnx"] == 1
+    assert set(hashed.values()) == {1}, hashed
+
+
+class GatedRunner:
+    """Doubles its input; each run says how many rows it got and waits for the test's go."""
+
+    inputs = [{"name": "x", "dtype": "float32", "shape": ["batch", 2],
+               "dynamic": {"0": {"min": 1, "opt": 2, "max": 4}}}]
+    outputs = [{"name": "y", "dtype": "float32", "shape": ["batch", 2]}]
+    device = "cpu"
+
+    def __init__(self):
+        self.go, self.started = threading.Semaphore(0), queue.Queue()
+
+    def run(self, feeds):
+        self.started.put(len(feeds["x"]))
+        self.go.acquire()
+        return {"y": feeds["x"] * 2}
+
+
+def test_queued_rows_follow_partial_takes_and_timed_out_requests():
+    runner = GatedRunner()
+    model = ServedModel("gated", Path("gated"), [runner], ["cpu"], max_batch=4, buckets=[], allow_nan=False)
+    batcher = Batcher(model, max_delay_s=0, max_queue=8, metrics=Metrics())
+
+    def submit(n: int):
+        return batcher.submit({"x": np.full((n, 2), n, np.float32)}, n)
+
+    answered = {3: submit(3)}
+    assert runner.started.get(timeout=5) == 3 and batcher.queued_rows == 0  # running, no longer queued
+    answered |= {2: submit(2), 1: submit(1)}
+    timed_out = submit(3)
+    assert batcher.queued_rows == 6
+    assert timed_out.cancel()  # what asyncio.wait_for does to a request that waited too long
+    assert batcher.queued_rows == 6  # still queued until a worker drops it
+    runner.go.release()
+    assert runner.started.get(timeout=5) == 3  # 2 + 1 rows: the timed-out 3 would not have fit beside them
+    assert batcher.queued_rows == 3
+    runner.go.release()
+    batcher.close()
+    assert batcher.queued_rows == 0 and runner.started.empty()  # the timed-out request was dropped, not run
+    for n, future in answered.items():
+        np.testing.assert_array_equal(future.result(timeout=5)["y"], np.full((n, 2), 2 * n, np.float32))

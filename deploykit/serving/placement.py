@@ -1,0 +1,51 @@
+"""Where a model's instances run: the ``--device`` values as one device per instance.
+
+``cuda`` is every GPU this process sees (``CUDA_VISIBLE_DEVICES`` applies), ``cuda:K`` one of
+them, and a comma list (or the option repeated) several; instance i runs on the i-th device mod
+their count, so ``--device cuda --instances 4`` on two GPUs puts two on each. ``auto`` is what
+``deploykit.load`` picks (GPU 0, else the CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from deploykit.errors import BadInputError, EnvironmentProblem
+from deploykit.runtime.choose import parse_device
+
+
+def visible_gpus() -> int:
+    """How many GPUs the driver shows this process (0 without one)."""
+    from deploykit.backends.tensorrt.shim import local_gpus
+
+    gpus = local_gpus()
+    return 0 if isinstance(gpus, str) else len(gpus)
+
+
+def instance_devices(devices: Sequence[str], instances: int) -> list[str]:
+    """The device of each instance, round-robin over ``devices`` with ``cuda`` expanded to every GPU."""
+    listed = [part.strip() for value in devices for part in value.split(",")]
+    kinds = {parse_device(device)[0] for device in listed}
+    if len(kinds) > 1:
+        raise BadInputError(f"--device {','.join(listed)}: a model's instances all run on the CPU or all on GPUs "
+                            "(or all auto); serve the other kind from a second server")
+    expanded = _gpus(listed) if kinds == {"cuda"} else listed
+    return [expanded[i % len(expanded)] for i in range(instances)]
+
+
+def _gpus(listed: list[str]) -> list[str]:
+    """``cuda`` as every GPU seen; a ``cuda:K`` beyond them refused before any runner loads."""
+    count = visible_gpus()
+    if count == 0:
+        raise EnvironmentProblem(f"--device {','.join(listed)}: no GPU is visible here (check nvidia-smi and "
+                                 "CUDA_VISIBLE_DEVICES), or serve with --device cpu")
+    expanded = []
+    for device in listed:
+        if device == "cuda":
+            expanded += [f"cuda:{index}" for index in range(count)]
+        elif parse_device(device)[1] >= count:
+            raise BadInputError(f"--device {device}: this process sees {count} GPU(s), cuda:0..cuda:{count - 1} "
+                                "(CUDA_VISIBLE_DEVICES renumbers them from 0)")
+        else:
+            expanded.append(device)
+    return expanded

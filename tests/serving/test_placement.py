@@ -1,0 +1,78 @@
+"""Instances over several GPUs of one host, on the CPU: the GPU count is faked, the runners too
+(``deploykit.runtime.load`` records the device it was asked for), so that what is checked is the
+round-robin, the refusals and what ``/v2/models/NAME/config`` says of it."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+import converted_bundles
+from deploykit_cli import run_deploykit
+
+from deploykit import runtime
+from deploykit.errors import BadInputError, EnvironmentProblem
+from deploykit.export.triton import served_config
+from deploykit.serving import placement
+from deploykit.serving.models import ServeOptions, load_models
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Set the number of GPUs this process sees."""
+    def fake(count: int) -> None:
+        monkeypatch.setattr(placement, "visible_gpus", lambda: count)
+    return fake
+
+
+@pytest.mark.parametrize(("devices", "instances", "placed"), [
+    (["cuda"], 4, ["cuda:0", "cuda:1", "cuda:2", "cuda:0"]),
+    (["cuda:0,cuda:2"], 3, ["cuda:0", "cuda:2", "cuda:0"]),
+    (["cuda:1", "cuda:0"], 2, ["cuda:1", "cuda:0"]),  # repeated, as comma lists
+    (["cuda:0"], 2, ["cuda:0", "cuda:0"]),  # two instances on one GPU
+    (["cpu"], 2, ["cpu", "cpu"]),
+])
+def test_instance_i_runs_on_device_i_mod_n(gpus, devices, instances, placed):
+    gpus(3)
+    assert placement.instance_devices(devices, instances) == placed
+
+
+def test_refusals(gpus):
+    gpus(2)
+    with pytest.raises(BadInputError, match=r"--device cuda:2: this process sees 2 GPU\(s\), cuda:0..cuda:1"):
+        placement.instance_devices(["cuda:0,cuda:2"], 2)
+    with pytest.raises(BadInputError, match="all run on the CPU or all on GPUs"):
+        placement.instance_devices(["cpu,cuda:0"], 2)
+    with pytest.raises(BadInputError, match="device 'gpu1': use auto, cpu, cuda or cuda:N"):
+        placement.instance_devices(["gpu1"], 1)
+    gpus(0)
+    with pytest.raises(EnvironmentProblem, match="--device cuda: no GPU is visible here"):
+        placement.instance_devices(["cuda"], 1)
+
+
+def test_served_config_reports_the_gpus_used(gpus, monkeypatch):
+    """Five instances on two GPUs: load was asked for cuda:0, cuda:1, ...; Triton's count is per GPU."""
+    asked = []
+
+    def fake_load(bundle, backend, device, **_):
+        asked.append(device)
+        return types.SimpleNamespace(device="cuda", backend="onnxruntime", inputs=bundle.inputs,
+                                     outputs=bundle.outputs, bundle=bundle)
+
+    gpus(2)
+    monkeypatch.setattr(runtime, "load", fake_load)
+    model = load_models([converted_bundles.converted("tabular")], ServeOptions(devices=("cuda",), instances=5))[0]
+    assert asked == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:0"] and model.gpus == [0, 1, 0, 1, 0]
+    assert served_config(model, 2.0)["instance_group"] == [{"count": 3, "kind": "KIND_GPU", "gpus": [0]},
+                                                           {"count": 2, "kind": "KIND_GPU", "gpus": [1]}]
+    model.placements = ["cuda:0", "cuda:1"]
+    assert served_config(model, 2.0)["instance_group"] == [{"count": 1, "kind": "KIND_GPU", "gpus": [0, 1]}]
+
+
+def test_cli_without_a_gpu():
+    """On this machine (no GPU visible to the test's CUDA_VISIBLE_DEVICES): one line, exit 3."""
+    result = run_deploykit("serve", converted_bundles.converted("tabular"), "--device", "cuda:0,cuda:1",
+                           env={"CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 3, result.stderr
+    assert "--device cuda:0,cuda:1: no GPU is visible here" in result.stderr

@@ -1,0 +1,46 @@
+"""benchmarks/serve_load.py and summarize_issue16.py on the CPU, small: the Python that
+run_issue16_device.sh runs on two GPUs, its servers started by deploykit.serving.launch."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+import converted_bundles  # noqa: E402
+from deploykit_cli import cli_env, run_deploykit  # noqa: E402
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def script(name: str, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, BENCHMARKS / name, *map(str, args)], env=cli_env(), capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_serve_load_over_client_counts_and_the_summary(tmp_path):
+    bundle = converted_bundles.converted("tabular")
+    load = script("serve_load.py", bundle, "--device", "cpu", "--clients", "2,3", "--requests", "4", "--batching", "on",
+                  "--out", tmp_path / "serve-1gpu")
+    assert load.returncode == 0, load.stderr
+    results = json.loads((tmp_path / "serve-1gpu" / "serve_load.json").read_text())["results"]
+    assert [(r["mode"], r["clients"], r["requests"], r["errors"], r["wrong"]) for r in results] == [
+        ("batching on", 2, 8, 0, 0), ("batching on", 3, 12, 0, 0)]
+    assert "Application shutdown complete" in (tmp_path / "serve-1gpu" / "serve-on.log").read_text()  # stderr, logged
+    shutil.copytree(tmp_path / "serve-1gpu", tmp_path / "serve-2gpu")  # as if two GPUs served as fast
+    bench = run_deploykit("bench", bundle, "--device", "cpu", "--batch", "1,4", "--only", "deploykit-load",
+                          "--warmup", "1", "--iterations", "5", "-o", tmp_path / "bench-alone")
+    assert bench.returncode == 0, bench.stderr
+    summary = script("summarize_issue16.py", tmp_path)
+    assert summary.returncode == 0, summary.stderr
+    rows = [line.split(" | ")[:5] for line in summary.stdout.splitlines() if line.startswith("| batching on |")]
+    assert [row[1:3] for row in rows] == [["2", "1"], ["2", "2"], ["3", "1"], ["3", "2"]]
+    assert [row[4] for row in rows] == ["1.00"] * 4  # requests/s against the one-GPU run at that many clients
+    assert [line.split(" | ")[1] for line in summary.stdout.splitlines() if line.startswith("| GPU 0 alone |")] == [
+        "1", "4"]
