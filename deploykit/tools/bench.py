@@ -462,20 +462,21 @@ def bench_batch(batch: int, found: list[Contender], entries: list[dict], setting
                 tick) -> None:
     """Every contender set up for ``batch`` (all alive together), timed in interleaved rounds, then
     freed before the next batch size; results and failures go into ``entries``."""
-    ready = []
     try:
-        for contender, entry in zip(found, entries):
-            if contender.setup is not None and (r := _set_up(contender, entry, batch, settings, specs, tick)):
-                ready.append(r)
-        timed = interleave([r.step for r in ready], settings, lambda text: tick(f"batch {batch}: {text}"))
-        for r, result in zip(ready, timed):
-            if result.error is not None:
-                _failed(r.entry, batch, result.error)
-            else:
-                r.entry["results"].append({**summarize(result.rounds, batch), **r.facts})
+        _time_side_by_side([ready for contender, entry in zip(found, entries) if contender.setup is not None
+                            for ready in [_set_up(contender, entry, batch, settings, specs, tick)] if ready],
+                           batch, settings, tick)
     finally:
-        ready = timed = None
-        _free()
+        _free()  # the steps lived in the calls above only: nothing here holds them
+
+
+def _time_side_by_side(ready: list[Ready], batch: int, settings: Settings, tick) -> None:
+    timed = interleave([r.step for r in ready], settings, lambda text: tick(f"batch {batch}: {text}"))
+    for r, result in zip(ready, timed):
+        if result.error is not None:
+            _failed(r.entry, batch, result.error)
+        else:
+            r.entry["results"].append({**summarize(result.rounds, batch), **r.facts})
 
 
 def _set_up(contender: Contender, entry: dict, batch: int, settings: Settings, specs: list[dict], tick) -> Ready | None:
