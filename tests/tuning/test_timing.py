@@ -15,8 +15,15 @@ from deploykit.tools import bench
 from deploykit.tuning import timing, tune
 from deploykit.tuning.candidates import Candidate
 from deploykit.tuning.timing import Budget, calls_per_round, interleave, round_order, summarize
+from deploykit_cli import run_deploykit
 
 SPECS = [{"name": "x", "shape": ["batch", 3], "dtype": "float32"}]
+
+
+@pytest.mark.parametrize("command", ["bench", "tune"])
+def test_rounds_below_one_is_a_usage_error(tmp_path, command):
+    result = run_deploykit(command, tmp_path, "--rounds", "0", "--device", "cpu")
+    assert result.returncode == 2 and "--rounds" in result.stderr
 
 
 @pytest.fixture
