@@ -8,8 +8,9 @@ inference to completion. Per batch size every contender is set up (all alive tog
 before the next size) and warmed up, then all are timed in interleaved rounds, each round timing
 every contender in turn (:func:`deploykit.tuning.timing.interleave`), so drift over the run
 (clocks, heat) does not favour whichever ran first; p50 is the median of the rounds' medians.
-What cannot run here is listed with the reason instead of silently missing from the table. Inputs live where the backend
-runs (CUDA tensors on a GPU), so the numbers measure inference, not host copies.
+What cannot run here is listed with the reason instead of silently missing from the table.
+Inputs live where the backend runs (CUDA tensors on a GPU), so the numbers measure inference,
+not host copies.
 
 On a GPU every contender runs on one bench stream (ONNX Runtime through its
 ``user_compute_stream``) and each call is timed by CUDA events recorded on that stream before
@@ -463,11 +464,18 @@ def bench_batch(batch: int, found: list[Contender], entries: list[dict], setting
     """Every contender set up for ``batch`` (all alive together), timed in interleaved rounds, then
     freed before the next batch size; results and failures go into ``entries``."""
     try:
-        _time_side_by_side([ready for contender, entry in zip(found, entries) if contender.setup is not None
-                            for ready in [_set_up(contender, entry, batch, settings, specs, tick)] if ready],
-                           batch, settings, tick)
+        _time_side_by_side(_set_up_all(batch, found, entries, settings, specs, tick), batch, settings, tick)
     finally:
         _free()  # the steps lived in the calls above only: nothing here holds them
+
+
+def _set_up_all(batch: int, found: list[Contender], entries: list[dict], settings: Settings, specs: list[dict],
+                tick) -> list[Ready]:
+    ready = []
+    for contender, entry in zip(found, entries):
+        if contender.setup is not None and (one := _set_up(contender, entry, batch, settings, specs, tick)):
+            ready.append(one)
+    return ready
 
 
 def _time_side_by_side(ready: list[Ready], batch: int, settings: Settings, tick) -> None:
