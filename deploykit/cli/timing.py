@@ -23,6 +23,11 @@ _source_options = combine(
     click.option("--trust-pickle", is_flag=True, help="Allow a pickled nn.Module as --model."),
 )
 
+_rounds_option = click.option(
+    "--rounds", type=click.IntRange(min=1), default=5, show_default=True,
+    help="Time everything side by side in this many rounds, each timing every one in turn for its share of "
+         "--iterations and --max-seconds; p50 is the median of the rounds' medians.")
+
 _device_option = click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda",
                               help="Where everything runs.")
 
@@ -74,12 +79,13 @@ def _results_folder(output: Path | None, bundle: Path) -> Path:
 @click.option("--iterations", type=click.IntRange(min=1), default=100, show_default=True, help="Timed calls.")
 @click.option("--max-seconds", type=click.FloatRange(min=0.1), default=20.0, show_default=True,
               help="Stop timing one contender and batch size after this long.")
+@_rounds_option
 @click.option("--tf32", is_flag=True, help="Let fp32 convolutions and matrix products use TF32, in ONNX Runtime and "
               "PyTorch alike (default: exact fp32, as validated).")
 @trust_bundle_option
 @_results_options("Benchmark", "bench.json", "bench.png")
 def bench(bundle, model, factory, trust_pickle, plain_onnx, export_plain, baseline, batches, device, only, warmup,
-          iterations, max_seconds, tf32, trust_bundle, allow_failed, output, as_json, verbose):
+          iterations, max_seconds, rounds, tf32, trust_bundle, allow_failed, output, as_json, verbose):
     """Time BUNDLE's backends side by side: latency percentiles and throughput per batch size."""
     from deploykit import runtime
     from deploykit.bundle.write import write_json
@@ -90,8 +96,8 @@ def bench(bundle, model, factory, trust_pickle, plain_onnx, export_plain, baseli
     with handle_errors(verbose):
         opened = _open_checked(bundle, allow_failed)
         settings = benchmark.Settings(benchmark.batch_plan(opened, benchmark.parse_batches(batches)),
-                                      benchmark.resolve_device(device), warmup, iterations, max_seconds, tf32=tf32,
-                                      trust_native=trust_bundle)
+                                      benchmark.resolve_device(device), warmup, iterations, max_seconds, rounds,
+                                      tf32=tf32, trust_native=trust_bundle)
         wants_source = selected is None or any(key.startswith(benchmark.PYTORCH_KEYS) for key in selected) \
             or export_plain
         with stage_printer(quiet=as_json)("Loading the backends"):
@@ -101,7 +107,7 @@ def bench(bundle, model, factory, trust_pickle, plain_onnx, export_plain, baseli
                                          export_plain=export_plain, only=selected,
                                          baseline=runtime.open_bundle(baseline) if baseline else None)
         result = _with_progress(lambda tick: benchmark.run_benchmark(opened, settings, found, tick),
-                                sum(c.setup is not None for c in found) * (1 + len(settings.batch_sizes)), as_json)
+                                benchmark.progress_steps(settings, found), as_json)
         folder = _results_folder(output, bundle)
         write_json(folder / "bench.json", result)
         (folder / "bench.png").write_bytes(bench_png(result))
@@ -135,16 +141,16 @@ def _print_bench(result: dict, folder: Path) -> None:
     from rich.table import Table
 
     table = Table(title=f"{result['bundle']} on {result['device']}", title_justify="left")
-    for column in ("backend", "batch", "p50 ms", "p90 ms", "p99 ms", "mean ms", "cv", "samples/s", "vs best",
-                   "vs r-o"):
+    for column in ("backend", "batch", "p50 ms", "spread", "p90 ms", "p99 ms", "mean ms", "cv", "samples/s",
+                   "vs best", "vs r-o"):
         table.add_column(column, justify="left" if column == "backend" else "right", no_wrap=column == "backend")
     for entry in result["contenders"]:
         for r in entry["results"]:
             ratio = "[green]best[/]" if r["vs_fastest"] == 1.0 else f"{r['vs_fastest']:.2f}x"
             versus = "" if r["vs_reduce_overhead"] is None else f"{r['vs_reduce_overhead']:.2f}x"
-            table.add_row(entry["key"], str(r["batch"]), f"{r['p50_ms']:.3f}", f"{r['p90_ms']:.3f}",
-                          f"{r['p99_ms']:.3f}", f"{r['mean_ms']:.3f}", f"{r['cv']:.2f}", f"{r['throughput']:.0f}", ratio,
-                          versus)
+            table.add_row(entry["key"], str(r["batch"]), f"{r['p50_ms']:.3f}", f"{r['spread']:.1%}",
+                          f"{r['p90_ms']:.3f}", f"{r['p99_ms']:.3f}", f"{r['mean_ms']:.3f}", f"{r['cv']:.2f}",
+                          f"{r['throughput']:.0f}", ratio, versus)
     console.print(table)
     for entry in result["contenders"]:
         if entry["status"] != "ok" and not entry["reason"].startswith("not selected"):
@@ -154,8 +160,8 @@ def _print_bench(result: dict, folder: Path) -> None:
     if any(r["cv"] > 0.5 for entry in result["contenders"] for r in entry["results"]):
         console.print("[yellow]note:[/] some timings vary a lot (cv > 0.5): is other work running on this machine? "
                       "Use more --iterations or a quieter machine", soft_wrap=True)
-    console.print("vs r-o: p50 over torch.compile(mode=\"reduce-overhead\")'s in the same precision (below 1x: "
-                  "faster)", soft_wrap=True)
+    console.print("p50: the median of the rounds' medians; spread: their range over p50. vs r-o: p50 over "
+                  "torch.compile(mode=\"reduce-overhead\")'s in the same precision (below 1x: faster)", soft_wrap=True)
     console.print(f"Timing: {result['timing']}. Results: {folder / 'bench.json'}, plot: {folder / 'bench.png'}")
 
 
@@ -171,13 +177,14 @@ def _print_bench(result: dict, folder: Path) -> None:
 @click.option("--iterations", type=click.IntRange(min=1), default=50, show_default=True, help="Timed calls.")
 @click.option("--max-seconds", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
               help="Stop timing one candidate and batch size after this long.")
+@_rounds_option
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
 @trust_bundle_option
 @allow_failed_option("Tune a bundle whose validation failed.")
 @json_option("Print the tuning table on stdout.")
 @verbose_option()
-def tune(bundle, model, factory, trust_pickle, batches, device, warmup, iterations, max_seconds, seed, trust_bundle,
-         allow_failed, as_json, verbose):
+def tune(bundle, model, factory, trust_pickle, batches, device, warmup, iterations, max_seconds, rounds, seed,
+         trust_bundle, allow_failed, as_json, verbose):
     """Time every backend that runs BUNDLE here, check its outputs, record the fastest per batch size.
 
     deploykit.load(BUNDLE) then runs that choice on a machine with the same device and GPU
@@ -195,8 +202,8 @@ def tune(bundle, model, factory, trust_pickle, batches, device, warmup, iteratio
         opened = _open_checked(bundle, allow_failed)
         sizes = benchmark.batch_plan(opened, sizes or opened.manifest.get("validation", {}).get("batch_sizes"))
         settings = TuneSettings(device=benchmark.resolve_device(device), warmup=warmup, iterations=iterations,
-                                max_seconds=max_seconds, device_id=runtime.parse_device(device)[1], seed=seed,
-                                trust_native=trust_bundle)
+                                max_seconds=max_seconds, rounds=rounds, device_id=runtime.parse_device(device)[1],
+                                seed=seed, trust_native=trust_bundle)
         with stage_printer(quiet=as_json)("Timing what runs here"):
             source = benchmark.load_source(opened, model, factory, trust_pickle)
             table = tune_bundle(opened, source.loaded, settings, sizes, source.reason)

@@ -21,7 +21,7 @@ def bench_png(bench: dict) -> bytes:
         xs = [i + (index - (len(measured) - 1) / 2) * width for i, b in enumerate(batches) if b in by_batch]
         rows = [by_batch[b] for b in batches if b in by_batch]
         p50 = [r["p50_ms"] for r in rows]
-        spread = [[0] * len(rows), [r["p99_ms"] - r["p50_ms"] for r in rows]]
+        spread = [[0] * len(rows), [max(0.0, r["p99_ms"] - r["p50_ms"]) for r in rows]]  # p50: of round medians
         latency.bar(xs, p50, width, yerr=spread, capsize=2, label=contender["label"])
         for x, row in zip(xs, rows):  # the ratio to torch.compile(mode="reduce-overhead") in the same precision
             if row.get("vs_reduce_overhead") is not None:

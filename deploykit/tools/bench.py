@@ -4,9 +4,13 @@ Each contender (PyTorch eager, torch.compile and torch.compile(mode="reduce-over
 and in the bundle's reduced precision, ONNX Runtime on the plain export, on deploykit's graph with
 its ONNX functions and with our op library, with CUDA graphs, TensorRT, the bundle's AOTInductor
 packages, and ``deploykit.load(bundle)`` as users get it) turns a feed set into a zero-argument step that runs one
-inference to completion; the same loop times every step after a warm-up. What cannot run here is
-listed with the reason instead of silently missing from the table. Inputs live where the backend
-runs (CUDA tensors on a GPU), so the numbers measure inference, not host copies.
+inference to completion. Per batch size every contender is set up (all alive together, freed
+before the next size) and warmed up, then all are timed in interleaved rounds, each round timing
+every contender in turn (:func:`deploykit.tuning.timing.interleave`), so drift over the run
+(clocks, heat) does not favour whichever ran first; p50 is the median of the rounds' medians.
+What cannot run here is listed with the reason instead of silently missing from the table.
+Inputs live where the backend runs (CUDA tensors on a GPU), so the numbers measure inference,
+not host copies.
 
 On a GPU every contender runs on one bench stream (ONNX Runtime through its
 ``user_compute_stream``) and each call is timed by CUDA events recorded on that stream before
@@ -23,6 +27,7 @@ import datetime
 import functools
 import gc
 import logging
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,19 +39,23 @@ from deploykit import runtime
 from deploykit.bundle.trust import UntrustedNativeCode
 from deploykit.errors import BadInputError, DeployKitError, error_summary
 from deploykit.tuning.candidates import find_candidates, open_runner
-from deploykit.tuning.timing import TIMING, Step, bench_stream, measure, stream_pointer, summarize
+from deploykit.tuning.timing import (
+    TIMING, Step, bench_stream, calls_per_round, interleave, stream_pointer, summarize,
+)
 from deploykit.versions import tool_versions
 
 
 @dataclasses.dataclass
 class Settings:
-    """How to measure. ``max_seconds`` bounds one (contender, batch) measurement."""
+    """How to measure (:class:`deploykit.tuning.timing.Budget`'s fields): ``max_seconds`` bounds one
+    (contender, batch) measurement, shared out over its ``rounds``."""
 
     batch_sizes: list[int]
     device: str = "cpu"
     warmup: int = 10
     iterations: int = 100
     max_seconds: float = 20.0
+    rounds: int = 5
     seed: int = 0
     tf32: bool = False  # let fp32 matrix products round to TF32 (ONNX Runtime's and PyTorch's alike)
     trust_native: bool = False  # load the bundle's native code even where this machine did not build it
@@ -54,8 +63,8 @@ class Settings:
 
 @dataclasses.dataclass
 class Contender:
-    """One thing to time. ``setup()`` builds the backend (a session, a compiled module) when its
-    turn comes and returns ``prepare(feeds) -> step``; without ``setup``, ``reason`` says why
+    """One thing to time. ``setup()`` builds the backend (a session, a compiled module) for one
+    batch size and returns ``prepare(feeds) -> step``; without ``setup``, ``reason`` says why
     it is skipped (or, with ``failed``, why it broke)."""
 
     key: str
@@ -110,9 +119,9 @@ def contenders(bundle: runtime.Bundle, settings: Settings, source: SourceModel, 
                only: set[str] | None = None) -> list[Contender]:
     """Everything bench compares, in a fixed order; skipped ones carry their reason.
 
-    Backends are built one at a time when measured and dropped after: an idle ONNX Runtime
-    thread pool next to torch's threads would slow both on a small machine. Only the plain
-    export is made here, while the source model is still untouched by any contender.
+    Backends are built per batch size, all of them, timed side by side and dropped before the
+    next size (``bench_batch``). Only the plain export is made here, while the source model is
+    still untouched by any contender.
     ``baseline`` is another bundle of the same model (say the fp32 one beside an fp16 one),
     timed in ONNX Runtime in the same run.
     """
@@ -435,36 +444,87 @@ def _reduce_overhead_key(precision: str) -> str:
     return REDUCE_OVERHEAD if precision == "fp32" else f"{REDUCE_OVERHEAD}-{precision}"
 
 
-def bench_contender(contender: Contender, settings: Settings, specs: list[dict], tick) -> dict:
-    """Time one contender at every batch size; a failure is recorded, not raised."""
-    entry = {"key": contender.key, "label": contender.label, "precision": contender.precision,
-             "status": "failed" if contender.failed else "skipped", "reason": contender.reason, "results": []}
-    if contender.setup is None:
-        return entry
+@dataclasses.dataclass
+class Ready:
+    """A contender set up for one batch size: its step, and what getting there cost."""
+
+    entry: dict
+    step: Step
+    facts: dict
+
+
+def progress_steps(settings: Settings, found: list[Contender]) -> int:
+    """How many times ``run_benchmark`` ticks: per batch size, each contender's set-up and each round."""
+    runnable = sum(contender.setup is not None for contender in found)
+    return len(settings.batch_sizes) * (runnable + len(calls_per_round(settings)))
+
+
+def bench_batch(batch: int, found: list[Contender], entries: list[dict], settings: Settings, specs: list[dict],
+                tick) -> None:
+    """Every contender set up for ``batch`` (all alive together), timed in interleaved rounds, then
+    freed before the next batch size; results and failures go into ``entries``."""
     try:
-        tick(f"{contender.label}: setting up")
+        _time_side_by_side(_set_up_all(batch, found, entries, settings, specs, tick), batch, settings, tick)
+    finally:
+        _free()  # the steps lived in the calls above only: nothing here holds them
+
+
+def _set_up_all(batch: int, found: list[Contender], entries: list[dict], settings: Settings, specs: list[dict],
+                tick) -> list[Ready]:
+    ready = []
+    for contender, entry in zip(found, entries):
+        if contender.setup is not None and (one := _set_up(contender, entry, batch, settings, specs, tick)):
+            ready.append(one)
+    return ready
+
+
+def _time_side_by_side(ready: list[Ready], batch: int, settings: Settings, tick) -> None:
+    timed = interleave([r.step for r in ready], settings, lambda text: tick(f"batch {batch}: {text}"))
+    for r, result in zip(ready, timed):
+        if result.error is not None:
+            _failed(r.entry, batch, result.error)
+        else:
+            r.entry["results"].append({**summarize(result.rounds, batch), **r.facts})
+
+
+def _set_up(contender: Contender, entry: dict, batch: int, settings: Settings, specs: list[dict], tick) -> Ready | None:
+    """The contender's backend built and its step made and called once for ``batch``; None where it
+    does not take this batch (a static package's) or failed (recorded in ``entry``)."""
+    tick(f"{contender.label}, batch {batch}: setting up")
+    try:
         start = time.perf_counter()
-        prepare = contender.setup()
-        entry["setup_s"] = time.perf_counter() - start
-        for batch in settings.batch_sizes:
-            tick(f"{contender.label}, batch {batch}")
-            step = prepare(runtime.random_inputs(contender.inputs or specs, batch, settings.seed))
-            if step is None:  # this contender does not take this batch size (a static package's)
-                entry.setdefault("not_timed", []).append(batch)
-                continue
-            start = time.perf_counter()
-            step()  # first call: compilation, graph capture, lazy initialisation
-            first = time.perf_counter() - start
-            entry["results"].append({**summarize(measure(step, settings), batch), "first_call_s": first})
-        entry["status"] = "ok"
+        step = contender.setup()(runtime.random_inputs(contender.inputs or specs, batch, settings.seed))
+        if step is None:
+            entry.setdefault("not_timed", []).append(batch)
+            return None
+        built = time.perf_counter()
+        step()  # first call: compilation, graph capture, lazy initialisation
+        return Ready(entry, step, {"setup_s": built - start, "first_call_s": time.perf_counter() - built})
     except UntrustedNativeCode:  # consent is the user's decision, not a backend failing
         raise
     except Exception as error:  # noqa: BLE001 - one backend failing must not end the run
-        entry.update(status="failed", reason=error_summary(error)[:300])
-    finally:
-        prepare = step = None
-        gc.collect()  # free this backend's sessions and threads before the next one runs
-    return entry
+        _failed(entry, batch, error)
+        return None
+
+
+def _failed(entry: dict, batch: int, error: Exception) -> None:
+    """A contender broke at one batch size: it is marked failed with the reason; its other sizes stand."""
+    reason = f"batch {batch}: {error_summary(error)[:300]}"
+    entry.update(status="failed", reason="; ".join(filter(None, [entry["reason"], reason])))
+
+
+def _free() -> None:
+    """Drop the batch's backends (sessions, thread pools, CUDA graphs) before the next one is built,
+    and torch.compile's caches with them, so the next size is compiled for its own shape."""
+    gc.collect()
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
+
+
+def _entry(contender: Contender) -> dict:
+    status = "ok" if contender.setup is not None else "failed" if contender.failed else "skipped"
+    return {"key": contender.key, "label": contender.label, "precision": contender.precision, "status": status,
+            "reason": contender.reason, "results": []}
 
 
 def batch_plan(bundle: runtime.Bundle, requested: list[int] | None) -> list[int]:
@@ -479,8 +539,10 @@ def batch_plan(bundle: runtime.Bundle, requested: list[int] | None) -> list[int]
 
 def run_benchmark(bundle: runtime.Bundle, settings: Settings, found: list[Contender], tick=lambda text: None) -> dict:
     """Measure every contender and return bench.json's content."""
+    entries = [_entry(contender) for contender in found]
     with bench_stream(settings.device, settings.tf32):
-        entries = [bench_contender(c, settings, bundle.inputs, tick) for c in found]
+        for batch in settings.batch_sizes:
+            bench_batch(batch, found, entries, settings, bundle.inputs, tick)
     add_ratios(entries)
     return {
         "bundle": str(bundle.path),

@@ -1,9 +1,10 @@
-"""One tuning run: every candidate opened in turn, checked and timed at each batch size, the
-fastest passing one per batch size chosen. The table it returns is what ``record`` writes.
+"""One tuning run: at each batch size every candidate opened, checked and timed, the fastest
+passing one chosen. The table it returns is what ``record`` writes.
 
 All candidates run in one process with the same timer (``timing``); on a GPU on one stream, with
-their inputs already on the device. Each is opened when its turn comes and closed after, so one
-backend's threads and memory do not slow the next.
+their inputs already on the device. At each batch size all are open together and timed side by
+side in interleaved rounds (``timing.interleave``), so drift during the run does not favour the
+one timed first; they are closed before the next size, so their memory does not pile up.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import gc
-
-import numpy as np
 
 from deploykit.backends.base.feeds import random_inputs
 from deploykit.bundle.read import Bundle
@@ -22,7 +21,7 @@ from deploykit.errors import EnvironmentProblem, error_summary
 from deploykit.tuning import record
 from deploykit.tuning.candidates import Candidate, find_candidates, open_runner
 from deploykit.tuning.checking import Reference, check, graph_reference, source_reference
-from deploykit.tuning.timing import Budget, bench_stream, measure, stream_pointer
+from deploykit.tuning.timing import Budget, Step, bench_stream, interleave, round_stats, stream_pointer
 from deploykit.versions import tool_versions
 
 
@@ -55,11 +54,8 @@ def tune(bundle: Bundle, reference: Reference, feed_sets: list[dict], settings: 
     if settings.device == "cuda" and here["gpu"] is None:
         raise EnvironmentProblem(f"cannot tune on cuda:{settings.device_id}: {_no_gpu()}; use --device cpu")
     found = find_candidates(bundle, settings.device, settings.trust_native, settings.device_id)
-    rows = []
     with bench_stream(settings.device, tf32=False):  # validated fp32 is what is timed
-        for candidate in found:
-            tick(candidate.label)
-            rows.append(time_candidate(candidate, bundle, reference, feed_sets, settings))
+        columns = [time_batch(found, bundle, reference, feeds, settings, tick) for feeds in feed_sets]
     sizes = [_batch(feeds) for feeds in feed_sets]
     table = {
         **here,
@@ -70,8 +66,7 @@ def tune(bundle: Bundle, reference: Reference, feed_sets: list[dict], settings: 
         "choices": [],
         "unchosen": [],
     }
-    for index, batch in enumerate(sizes):
-        results = [row[index] for row in rows]
+    for batch, results in zip(sizes, columns):
         passed = [r for r in results if r["passed"] and r["p50_ms"] is not None]
         if not passed:
             table["unchosen"].append({"batch": batch, "candidates": results})
@@ -83,51 +78,67 @@ def tune(bundle: Bundle, reference: Reference, feed_sets: list[dict], settings: 
     return table
 
 
-def time_candidate(candidate: Candidate, bundle: Bundle, reference: Reference, feed_sets: list[dict],
-                   settings: TuneSettings) -> list[dict]:
-    """One result per feed set: checked, then timed; what breaks is recorded with its reason."""
-    results = [_result(candidate, reason=candidate.problem) for _ in feed_sets]
-    if candidate.problem:
-        return results
-    runner = None
+def time_batch(found: list[Candidate], bundle: Bundle, reference: Reference, feeds: dict, settings: TuneSettings,
+               tick=lambda text: None) -> list[dict]:
+    """One result per candidate at one batch size: every candidate opened and checked (all open
+    together), then timed side by side in interleaved rounds, then closed before the next size.
+    What breaks is recorded with its reason."""
+    results, runners, ready = [_result(c, reason=c.problem) for c in found], [], []
     try:
-        stream = {"stream": stream_pointer(settings.device)} \
-            if candidate.backend == "onnxruntime" and settings.device == "cuda" else {}
-        runner = open_runner(bundle, candidate.backend, candidate.options, settings.device, settings.device_id,
-                             trust_native=settings.trust_native, allow_unvalidated=True, **stream)
-        for result, feeds in zip(results, feed_sets):
-            _check_and_time(result, candidate, runner, reference, feeds, settings)
-    except UntrustedNativeCode:  # consent is the user's to give (--trust-bundle), not a backend failing
-        raise
-    except Exception as error:  # noqa: BLE001 - one backend failing must not end the run
-        for result in results:
-            if result["p50_ms"] is None and not result["reason"]:
-                result["reason"] = error_summary(error)[:300]
+        for candidate, result in zip(found, results):
+            tick(f"{candidate.label}, batch {_batch(feeds)}")
+            if (step := _checked_step(candidate, result, bundle, reference, feeds, settings, runners)) is not None:
+                ready.append((result, step))
+        for (result, _), timed in zip(ready, interleave([step for _, step in ready], settings, tick)):
+            if timed.error is not None:
+                _add_reason(result, timed.error)
+            else:
+                stats = round_stats(timed.rounds)
+                result.update(p50_ms=stats["p50_ms"], spread=stats["spread"])
     finally:
-        if runner is not None:
+        for runner in runners:
             runner.close()
-        runner = None
+        runners = ready = None
         gc.collect()
     return results
 
 
-def _check_and_time(result: dict, candidate: Candidate, runner, reference: Reference, feeds: dict,
-                    settings: TuneSettings) -> None:
+def _checked_step(candidate: Candidate, result: dict, bundle: Bundle, reference: Reference, feeds: dict,
+                  settings: TuneSettings, runners: list) -> Step | None:
+    """The candidate opened (into ``runners``), its outputs checked, its step called once; None
+    where it cannot run this batch size or broke (the reason is in ``result``)."""
     batch = _batch(feeds)
+    if candidate.problem:
+        return None
     if not candidate.accepts(batch):
         result["reason"] = "it takes batch sizes " + ", ".join(
             str(low) if low == high else f"{low}..{high}" for low, high in candidate.batch)
-        return
-    checked = check(reference, runner, candidate.label, feeds)
-    result.update(passed=checked["passed"], max_abs=checked["max_abs"], reason="; ".join(checked["failures"]))
-    step = _step(runner, feeds, candidate.backend, settings)
-    step()  # first call: graph capture, lazy initialisation
-    result["p50_ms"] = float(np.percentile(measure(step, settings), 50) * 1e3)
+        return None
+    try:
+        stream = {"stream": stream_pointer(settings.device)} \
+            if candidate.backend == "onnxruntime" and settings.device == "cuda" else {}
+        runners.append(open_runner(bundle, candidate.backend, candidate.options, settings.device, settings.device_id,
+                                   trust_native=settings.trust_native, allow_unvalidated=True, **stream))
+        checked = check(reference, runners[-1], candidate.label, feeds)
+        result.update(passed=checked["passed"], max_abs=checked["max_abs"], reason="; ".join(checked["failures"]))
+        step = _step(runners[-1], feeds, candidate.backend, settings)
+        step()  # first call: graph capture, lazy initialisation
+        return step
+    except UntrustedNativeCode:  # consent is the user's to give (--trust-bundle), not a backend failing
+        raise
+    except Exception as error:  # noqa: BLE001 - one backend failing must not end the run
+        _add_reason(result, error)
+        return None
+
+
+def _add_reason(result: dict, error: Exception) -> None:
+    """A candidate that broke is not timed (its p50 stays None); why is added to what its check said."""
+    result.update(p50_ms=None, reason="; ".join(filter(None, [result["reason"], error_summary(error)[:300]])))
 
 
 def _result(candidate: Candidate, reason: str | None = None) -> dict:
     return {"label": candidate.label, "backend": candidate.backend, "options": candidate.options,
-            "p50_ms": None, "passed": False, "max_abs": None, "reason": reason or "", "chosen": False}
+            "p50_ms": None, "spread": None, "passed": False, "max_abs": None, "reason": reason or "", "chosen": False}
 
 
 def _step(runner, feeds: dict, backend: str, settings: TuneSettings):

@@ -110,3 +110,21 @@ def test_bench_reduce_overhead_runs_cuda_graphs_in_fp32_and_fp16(tmp_path):
     [ours] = entries["ort-deploykit"]["results"]
     assert entries["ort-deploykit"]["precision"] == "fp16"
     assert ours["vs_reduce_overhead"] == pytest.approx(ours["p50_ms"] / fp16["p50_ms"])
+
+
+def test_bench_interleaves_cuda_graph_contenders_at_two_batch_sizes(tmp_path):
+    """reduce-overhead in fp32 and fp16, ONNX Runtime's CUDA graph and deploykit.load alive together
+    and timed in interleaved rounds; freed (torch.compile reset) before the second batch size."""
+    bundle, weights = converted(tmp_path, "tabular", "features:1x13", "--precision", "fp16")
+    keys = ("reduce-overhead", "reduce-overhead-fp16", "ort-cuda-graph", "deploykit-load")
+    result = run_deploykit("bench", bundle, "--model", weights, "--factory", "model_zoo:tabular", "--device", "cuda",
+                           "--batch", "1,8", "--only", ",".join(keys), "--rounds", "3", "--iterations", "6",
+                           "--warmup", "2", "--json", "-o", tmp_path)
+    assert result.returncode == 0, result.stderr
+    entries = {e["key"]: e for e in json.loads(result.stdout)["contenders"]}
+    for key in keys:
+        assert entries[key]["status"] == "ok", entries[key]["reason"]
+        assert [r["batch"] for r in entries[key]["results"]] == [1, 8]
+        for row in entries[key]["results"]:
+            assert row["rounds"] == 3 and row["iterations"] == 6 and all(ms > 0 for ms in row["round_p50_ms"])
+            assert min(row["round_p50_ms"]) <= row["p50_ms"] <= max(row["round_p50_ms"])
