@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+from deploykit.backends.aoti.compat import PackageChecks
 from deploykit.backends.base.feeds import collect_feeds
 from deploykit.backends.base.runner import Runner
 from deploykit.bundle.read import Bundle
@@ -78,16 +79,17 @@ def load_tuned(bundle: Bundle, device: str, device_id: int, notes: list[str], *,
         notes.append(f"tuning not used: {problem}")
         return None
     opened: dict[str, Runner] = {}
+    checks = PackageChecks(device_id)  # each AOTInductor package checked once, by the candidates and loaders
 
     def runner(backend: str, options: dict) -> Runner:
         key = json.dumps([backend, options], sort_keys=True)
         if key not in opened:
             opened[key] = open_runner(bundle, backend, options, device, device_id, trust_native=trust_native,
-                                      notes=list(notes), verify=verify, allow_unvalidated=allow_unvalidated,
+                                      notes=list(notes), verify=verify, allow_unvalidated=allow_unvalidated, checks=checks,
                                       **({**ort_options, "op_library": op_library} if backend == "onnxruntime" else {}))
         return opened[key]
 
-    routes, here = [], find_candidates(bundle, device, trust_native, device_id)
+    routes, here = [], find_candidates(bundle, device, trust_native, device_id, checks)
     for choice in tuning["choices"]:
         backend, options = choice["backend"], choice["options"]
         problem = choice_problem(here, backend, options)
