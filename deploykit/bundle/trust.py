@@ -14,7 +14,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from deploykit.bundle.format import sha256_of
+from deploykit.bundle.format import cached_sha256, sha256_of
 from deploykit.bundle.read import Bundle
 from deploykit.errors import BadInputError, EnvironmentProblem
 from deploykit.native import build as native
@@ -58,14 +58,15 @@ def _written_digests() -> set[str]:
 
 
 def _build_digests() -> set[str]:
-    """sha256 of every library in this machine's build cache (builds listed by their manifests)."""
+    """sha256 of every library in this machine's build cache (builds listed by their manifests),
+    each hashed once per process while it stays the same file."""
     digests = set()
     for manifest in (native.cache_dir() / "build").glob(f"*/{native.MANIFEST}"):
         try:
             libraries = json.loads(manifest.read_text()).get("libraries", {})
         except (OSError, ValueError):
             continue
-        digests |= {sha256_of(path) for rel in libraries.values() if (path := manifest.parent / rel).is_file()}
+        digests |= {cached_sha256(path) for rel in libraries.values() if (path := manifest.parent / rel).is_file()}
     return digests
 
 

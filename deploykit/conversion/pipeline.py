@@ -25,7 +25,7 @@ from deploykit.backends.torch.runner import TorchRunner
 from deploykit.bundle import trust
 from deploykit.bundle import write as bundle
 from deploykit.bundle.format import MODEL, REFERENCE_MODEL, REPORT, REPORT_PAGE
-from deploykit.bundle.manifest import build_manifest, tensor_spec
+from deploykit.bundle.manifest import build_manifest, native_files, tensor_spec
 from deploykit.bundle.read import open_bundle
 from deploykit.conversion import aoti
 from deploykit.conversion.engine import build_tensorrt_stage
@@ -184,8 +184,10 @@ def _auto_fix(state: ConversionState) -> None:
 def _write_bundle(state: ConversionState) -> None:
     state.created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     state.versions = tool_versions()
+    state.native = native_files(state)
     state.report = build_report(state)
-    with bundle.staged_bundle(state.options.output, state.options.force) as (staging, manifest):
+    digests = {entry["file"]: entry["sha256"] for entry in state.native}  # the copies are not hashed again
+    with bundle.staged_bundle(state.options.output, state.options.force, digests) as (staging, manifest):
         onnx.save_model(state.shipped_graph, staging / MODEL)
         if state.precision is not None:
             onnx.save_model(state.precision.fp32, staging / REFERENCE_MODEL)
@@ -198,7 +200,7 @@ def _write_bundle(state: ConversionState) -> None:
         bundle.write_json(staging / REPORT, state.report)
         (staging / REPORT_PAGE).write_text(render_html(state.report, state.validations))
         manifest.update(build_manifest(state))
-    trust.record_written([entry["sha256"] for entry in manifest["native"]])
+    trust.record_written(list(digests.values()))
 
 
 def _tune(state: ConversionState) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import onnx
 
-from deploykit.bundle.manifest import native_files
 from deploykit.conversion.loading import count_batch_norms
 from deploykit.conversion.state import ConversionState
 from deploykit.ops import custom_op_types
@@ -51,7 +50,7 @@ def build_report(state: ConversionState) -> dict:
             "candidates": [v.to_json() for v in state.validations],
         },
         "versions": state.versions,
-        "native": native_files(state),
+        "native": state.native,
     }
 
 

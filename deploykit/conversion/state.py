@@ -63,6 +63,7 @@ class ConversionState:
     # "Writing the bundle": shared by the report and the manifest
     created: str | None = None
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    native: list[dict] = dataclasses.field(default_factory=list)  # the manifest's ``native`` entries, hashed once
     report: dict = dataclasses.field(default_factory=dict)
     # "Timing what runs here (--tune)": the manifest's tuning table
     tuning: dict | None = None
