@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 from deploykit.backends.aoti.compat import PackageChecks
-from deploykit.backends.base.feeds import collect_feeds
+from deploykit.backends.base.feeds import given_batch
 from deploykit.backends.base.runner import Runner
 from deploykit.bundle.read import Bundle
 from deploykit.tuning import record
@@ -56,8 +56,11 @@ class TunedRunner(Runner):
         return chosen.runner if chosen is not None else self.fallback
 
     def run(self, feeds=None, /, **named) -> dict:
-        shape = next(iter(collect_feeds(feeds, named, self.inputs).values())).shape  # checked, not copied
-        return self.runner_for(int(shape[0]) if shape else 1).run(feeds, **named)
+        """The call, on the runner of its batch, which checks the feeds (an input missing: any runner
+        says so)."""
+        batch = given_batch(feeds, named, self.inputs)
+        runner = self.runner_for(batch) if batch is not None else self.routes[0].runner
+        return runner.run(feeds, **named)
 
     def describe(self) -> dict:
         return {**super().describe(), "routes": {route.batch: route.label for route in self.routes}}

@@ -341,3 +341,19 @@ def test_bench_times_the_aoti_packages_by_kind(aoti_bundle, tmp_path):
     assert [r["batch"] for r in entries["aoti-static"]["results"]] == [2]
     assert entries["aoti-static"]["not_timed"] == [3]
     assert [r["batch"] for r in entries["aoti-dynamic"]["results"]] == [2, 3]
+
+
+def test_a_tuned_call_checks_its_feeds_once(tuned, monkeypatch):
+    """The tuned runner reads the batch only; the runner it routes to checks the feeds."""
+    from deploykit.backends.base import feeds as checking
+
+    runner = deploykit.load(tuned, device="cpu")
+    assert isinstance(runner, TunedRunner)
+    collected, check = [], checking.check_feed
+    monkeypatch.setattr(checking, "check_feed", lambda *args: collected.append(args) or check(*args))
+    feeds = runtime.random_inputs(runner.inputs, 2)
+    assert runner(feeds).keys() == set(runner.output_names) and len(collected) == 1
+    [name] = runner.input_names
+    assert runner(feeds[name]).keys() == set(runner.output_names) and len(collected) == 2
+    with pytest.raises(BadInputError, match=f"missing {name}"):
+        runner({})
