@@ -61,15 +61,16 @@ def has_conv(bundle: Bundle) -> bool:
 
 
 def find_candidates(bundle: Bundle, device: str, trust_native: bool = False, device_id: int = 0,
-                    checks: PackageChecks | None = None) -> list[Candidate]:
+                    checks: PackageChecks | None = None, *, convolutions: bool | None = None) -> list[Candidate]:
     """Every candidate for ``device`` ("cpu" or "cuda"), in a fixed order, skipped ones with their reason.
-    ``checks``: the AOTInductor packages' problems, shared with the loader that opens the choice."""
-    found = _onnxruntime(bundle, device)
+    ``checks``: the AOTInductor packages' problems, shared with the loader that opens the choice;
+    ``convolutions``: whether the graph has any, where the caller knows (None: the graph is read)."""
+    found = _onnxruntime(bundle, device, convolutions)
     found += [_engine(bundle, entry, device, trust_native) for entry in bundle.engines]
     return found + _aoti(bundle, device, trust_native, checks or PackageChecks(device_id))
 
 
-def _onnxruntime(bundle: Bundle, device: str) -> list[Candidate]:
+def _onnxruntime(bundle: Bundle, device: str, convolutions: bool | None) -> list[Candidate]:
     if device == "cpu":
         return [Candidate("onnxruntime", {}, "ONNX Runtime, CPU")]
     import onnxruntime as ort
@@ -79,7 +80,7 @@ def _onnxruntime(bundle: Bundle, device: str) -> list[Candidate]:
                           f"onnxruntime has no {CUDA_EP} (pip install onnxruntime-gpu)")]
     keywords = ort_keywords()
     graphs = (False, True) if "cuda_graph" in keywords else (None,)
-    layouts = (False, True) if has_conv(bundle) else (None,)
+    layouts = (False, True) if (has_conv(bundle) if convolutions is None else convolutions) else (None,)
     found = []
     for graph in graphs:
         for nhwc in layouts:

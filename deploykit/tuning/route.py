@@ -92,7 +92,8 @@ def load_tuned(bundle: Bundle, device: str, device_id: int, notes: list[str], *,
                                       **({**ort_options, "op_library": op_library} if backend == "onnxruntime" else {}))
         return opened[key]
 
-    routes, here = [], find_candidates(bundle, device, trust_native, device_id, checks)
+    routes, here = [], find_candidates(bundle, device, trust_native, device_id, checks,
+                                       convolutions=tuned_convolutions(tuning))
     for choice in tuning["choices"]:
         backend, options = choice["backend"], choice["options"]
         problem = choice_problem(here, backend, options)
@@ -108,3 +109,9 @@ def load_tuned(bundle: Bundle, device: str, device_id: int, notes: list[str], *,
     fallback = runner("onnxruntime", {}) if any(route.accepts for route in routes) else None
     notes.append("tuned: " + ", ".join(f"batch {route.batch} -> {route.label}" for route in routes))
     return TunedRunner(bundle, device, routes, fallback, notes)
+
+
+def tuned_convolutions(tuning: dict) -> bool:
+    """Whether the tuned graph has convolutions, as its choices tell (NHWC kernels were among the
+    candidates only then): the graph is not read again to match the choices with the candidates."""
+    return any("prefer_nhwc" in choice["options"] for choice in tuning["choices"])
