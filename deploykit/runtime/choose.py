@@ -54,9 +54,8 @@ def choose_backend(bundle: Bundle, backend: str, device: str, trust_native: bool
         else:
             entry = bundle.engines[0]
             problem = engine_problem_here(entry)
-            if problem is None and backend == "auto" and trust.engine_needs_consent(bundle, entry, trust_native):
-                problem = ("its plugins are native code this machine's deploykit did not build "
-                           "(trust_native=True / --trust-bundle runs them)")
+            if problem is None and backend == "auto":
+                problem = trust.plugins_problem(bundle, entry, trust_native, "trust_native=True / --trust-bundle")
             if problem is None:
                 return "tensorrt", "cuda", notes
             if backend == "tensorrt":

@@ -101,8 +101,7 @@ def _ort_label(options: dict) -> str:
 
 def _engine(bundle: Bundle, entry: dict, device: str, trust_native: bool) -> Candidate:
     problem = "TensorRT runs on the GPU only" if device != "cuda" else engine_problem_here(entry)
-    if problem is None and trust.engine_needs_consent(bundle, entry, trust_native):
-        problem = "its plugins are native code this machine's deploykit did not build (--trust-bundle runs them)"
+    problem = problem or trust.plugins_problem(bundle, entry, trust_native)
     return Candidate("tensorrt", {"file": entry["file"]}, f"TensorRT {entry['file']}", problem)
 
 
@@ -117,7 +116,7 @@ def _aoti(bundle: Bundle, device: str, trust_native: bool, checks: PackageChecks
         problems = [checks.problem(e) for e in kept]
         runnable = [e for e, problem in zip(kept, problems) if problem is None]
         problem = None if runnable else problems[0]
-        if any(_foreign(bundle, e) for e in runnable) and not trust_native:
+        if any(trust.is_foreign(bundle, e["file"]) for e in runnable) and not trust_native:
             problem = "native code this machine's deploykit did not build (--trust-bundle runs it)"
         ranges = [(e["batch"]["min"], e["batch"]["max"]) for e in runnable or kept]
         graphs = (False, True) if device == "cuda" and any(e.get("cuda_graph") for e in runnable) else (False,)
@@ -126,10 +125,6 @@ def _aoti(bundle: Bundle, device: str, trust_native: bool, checks: PackageChecks
                             f"AOTInductor {kind} ({files}){', CUDA graph' if graph else ''}", problem, ranges)
                   for graph in graphs]
     return found
-
-
-def _foreign(bundle: Bundle, entry: dict) -> bool:
-    return trust.provenance(bundle.manifest["files"][entry["file"]]["sha256"]) == trust.FOREIGN
 
 
 def accepted_batches(here: list[Candidate], backend: str, options: dict) -> list[tuple[int, int]] | None:
