@@ -18,6 +18,13 @@ EXIT_INTERNAL = 4
 EXIT_VALIDATION_INCONCLUSIVE = 5
 #: SIGINT or SIGTERM stopped the command (128 + SIGINT, as shells report it).
 EXIT_INTERRUPTED = 130
+#: What a check concludes (the "verdict" of convert's report and of ``deploykit validate``), and its exit code.
+VERDICT_EXITS = {"pass": EXIT_OK, "fail": EXIT_VALIDATION_FAILED, "inconclusive": EXIT_VALIDATION_INCONCLUSIVE}
+
+
+def verdict(passed: bool, inconclusive: bool = False) -> str:
+    """pass, fail, or inconclusive: it passed, but an output does not depend on the inputs."""
+    return "fail" if not passed else "inconclusive" if inconclusive else "pass"
 
 
 class DeployKitError(Exception):

@@ -26,3 +26,17 @@ def sha256_of(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+#: sha256 by (path, size, mtime, ctime): files hashed again and again in one process.
+_DIGESTS: dict[tuple, str] = {}
+
+
+def cached_sha256(path: Path) -> str:
+    """``sha256_of`` a file this process hashes again and again (the build cache's libraries, checked
+    on every provenance question): hashed again only when its size or times change."""
+    stat = Path(path).stat()
+    key = (str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = sha256_of(Path(path))
+    return _DIGESTS[key]

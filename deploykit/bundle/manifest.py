@@ -13,7 +13,7 @@ import onnx
 
 from deploykit.bundle.format import FORMAT, FORMAT_VERSION, MODEL, REFERENCE_MODEL
 from deploykit.bundle import trust
-from deploykit.bundle.format import sha256_of
+from deploykit.bundle.format import cached_sha256, sha256_of
 from deploykit.ops import custom_op_types
 
 if TYPE_CHECKING:
@@ -47,18 +47,18 @@ def build_manifest(state: ConversionState) -> dict:
         ] if state.library.path else [],
         "versions": state.versions,
         "validation": _validation(state),
-        "native": native_files(state),
+        "native": state.native,
     }
 
 
 def native_files(state: ConversionState) -> list[dict]:
     """The native code the bundle carries (the op library, an engine with embedded plugins, AOTInductor
-    packages) and its build."""
+    packages) and its build; each file hashed here once for the report, the manifest and its ``files``."""
     version = state.versions.get("deploykit", "unknown")
     entries = []
     if state.library.path:
-        entries.append(trust.manifest_entry(state.library.path.name, trust.OP_LIBRARY, sha256_of(state.library.path),
-                                            state.library.path, version))
+        entries.append(trust.manifest_entry(state.library.path.name, trust.OP_LIBRARY,
+                                            cached_sha256(state.library.path), state.library.path, version))
     if state.engine and state.engine.plugin_sha256:
         entries.append(trust.manifest_entry(state.engine.file_name, trust.ENGINE,
                                             hashlib.sha256(state.engine.build.engine).hexdigest(), None, version))

@@ -14,7 +14,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from deploykit.bundle.format import sha256_of
+from deploykit.bundle.format import cached_sha256, sha256_of
 from deploykit.bundle.read import Bundle
 from deploykit.errors import BadInputError, EnvironmentProblem
 from deploykit.native import build as native
@@ -58,14 +58,15 @@ def _written_digests() -> set[str]:
 
 
 def _build_digests() -> set[str]:
-    """sha256 of every library in this machine's build cache (builds listed by their manifests)."""
+    """sha256 of every library in this machine's build cache (builds listed by their manifests),
+    each hashed once per process while it stays the same file."""
     digests = set()
     for manifest in (native.cache_dir() / "build").glob(f"*/{native.MANIFEST}"):
         try:
             libraries = json.loads(manifest.read_text()).get("libraries", {})
         except (OSError, ValueError):
             continue
-        digests |= {sha256_of(path) for rel in libraries.values() if (path := manifest.parent / rel).is_file()}
+        digests |= {cached_sha256(path) for rel in libraries.values() if (path := manifest.parent / rel).is_file()}
     return digests
 
 
@@ -105,9 +106,8 @@ def op_library(bundle: Bundle, verify: bool = True, trust_native: bool = False,
     """The op library to register for ``bundle``: its own copy when known here or trusted, else
     this machine's build (with a note in ``notes``); UntrustedNativeCode when neither."""
     name = bundle.op_library["file"]
-    path = bundle.file(name, verify)  # listed in the manifest and unchanged, before anything looks inside
-    digest = bundle.manifest["files"][name]["sha256"] if verify else sha256_of(path)  # verified: the same bytes
-    if trust_native or provenance(digest) != FOREIGN:
+    path, foreign = _native_file(bundle, name, verify)
+    if trust_native or not foreign:
         return path
     try:
         local = native.find_ort_library()
@@ -119,10 +119,30 @@ def op_library(bundle: Bundle, verify: bool = True, trust_native: bool = False,
     return local
 
 
+def _native_file(bundle: Bundle, name: str, verify: bool) -> tuple[Path, bool]:
+    """The path of a native file of ``bundle`` (listed and, with ``verify``, unchanged: checked before
+    anything looks inside) and whether it is foreign here."""
+    path = bundle.file(name, verify)
+    digest = bundle.manifest["files"][name]["sha256"] if verify else sha256_of(path)  # verified: the same bytes
+    return path, provenance(digest) == FOREIGN
+
+
+def is_foreign(bundle: Bundle, name: str) -> bool:
+    """Whether the bundle's file ``name`` is foreign here, judged on its manifest sha256."""
+    return provenance(bundle.manifest["files"][name]["sha256"]) == FOREIGN
+
+
 def engine_needs_consent(bundle: Bundle, entry: dict, trust_native: bool = False) -> bool:
     """Whether the engine embeds plugins this machine's deploykit did not make, without consent given."""
-    digest = bundle.manifest["files"][entry["file"]]["sha256"]
-    return has_plugins(entry) and not trust_native and provenance(digest) == FOREIGN
+    return has_plugins(entry) and not trust_native and is_foreign(bundle, entry["file"])
+
+
+def plugins_problem(bundle: Bundle, entry: dict, trust_native: bool, consent: str = "--trust-bundle") -> str | None:
+    """Why the engine's plugins may not run without consent (None: they may), for a backend choice
+    that passes over it; ``consent`` names how to give it."""
+    if engine_needs_consent(bundle, entry, trust_native):
+        return f"its plugins are native code this machine's deploykit did not build ({consent} runs them)"
+    return None
 
 
 def engine_host_code_allowed(bundle: Bundle, entry: dict, trust_native: bool = False) -> bool:
@@ -136,9 +156,8 @@ def engine_host_code_allowed(bundle: Bundle, entry: dict, trust_native: bool = F
 def aoti_package(bundle: Bundle, entry: dict, verify: bool = True, trust_native: bool = False) -> Path:
     """The path of an AOTInductor package (``entry`` of ``bundle.aoti``) that may be loaded: its .so runs
     in this process, so a package this machine's deploykit did not write needs consent (UntrustedNativeCode)."""
-    path = bundle.file(entry["file"], verify)
-    digest = bundle.manifest["files"][entry["file"]]["sha256"] if verify else sha256_of(path)
-    if not trust_native and provenance(digest) == FOREIGN:
+    path, foreign = _native_file(bundle, entry["file"], verify)
+    if not trust_native and foreign:
         raise refusal(entry["file"], bundle, ", or run the bundle's ONNX graph instead (backend='onnxruntime')")
     return path
 

@@ -77,12 +77,14 @@ def _probe_write(out_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged_bundle(out_dir: Path, force: bool):
+def staged_bundle(out_dir: Path, force: bool, digests: dict[str, str] | None = None):
     """Yield a staging directory; on success hash its files into the manifest and publish it.
 
     The caller writes its files and a ``manifest`` dict without ``files``; we add the
     sha256 of every file, write ``manifest.json`` and swap the directory into place.
+    ``digests``: the sha256 of files the caller copied in and hashed already, by name.
     """
+    digests = digests or {}
     out_dir = Path(out_dir).absolute()
     prepare_destination(out_dir, force)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=_STAGING, dir=out_dir.parent))
@@ -92,7 +94,7 @@ def staged_bundle(out_dir: Path, force: bool):
             staging.chmod(0o777 & ~_current_umask())  # mkdtemp makes it private; a bundle is not
             yield staging, manifest
             manifest["files"] = {
-                path.name: {"sha256": sha256_of(path), "bytes": path.stat().st_size}
+                path.name: {"sha256": digests.get(path.name) or sha256_of(path), "bytes": path.stat().st_size}
                 for path in sorted(staging.iterdir()) if path.name != MANIFEST
             }
             write_json(staging / MANIFEST, manifest)

@@ -91,11 +91,10 @@ def _fail(message: str, code: int, verbose: bool) -> None:
     sys.exit(code)
 
 
-def exit_with_verdict(passed: bool, inconclusive: bool = False) -> None:
-    """Exit 0 when the checks passed, 1 when one failed, 5 when they passed but proved nothing."""
-    if not passed:
-        sys.exit(errors.EXIT_VALIDATION_FAILED)
-    sys.exit(errors.EXIT_VALIDATION_INCONCLUSIVE if inconclusive else errors.EXIT_OK)
+def exit_with_verdict(verdict: str) -> None:
+    """Exit 0 when the checks passed, 1 when one failed, 5 when they passed but proved nothing
+    (``verdict``: pass, fail or inconclusive, as :func:`deploykit.errors.verdict` tells)."""
+    sys.exit(errors.VERDICT_EXITS[verdict])
 
 
 def echo_json(value) -> None:

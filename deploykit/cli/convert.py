@@ -80,7 +80,7 @@ def convert(model, output, inputs, batch, factory, trust_pickle, exporter, opset
         echo_json(result.report)
     else:
         _print_summary(result)
-    exit_with_verdict(result.passed or result.inconclusive, result.inconclusive)
+    exit_with_verdict(result.report["verdict"])
 
 
 def _print_summary(result) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from deploykit import errors
 from deploykit.cli._common import (
     BUNDLE, EXISTING_FILE, console, echo_json, exit_with_verdict, handle_errors, inputs_option, json_option, seed_option,
     trust_bundle_option, verbose_option,
@@ -60,7 +61,7 @@ def debug(bundle_dir, layerwise, reference, feeds_path, seed, batch, max_pinned,
         echo_json(result)
     else:
         printer()
-    exit_with_verdict(passed)
+    exit_with_verdict(errors.verdict(passed))
 
 
 def _print_layers(diffs, show_all: bool) -> None:

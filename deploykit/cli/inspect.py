@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from deploykit import errors
 from deploykit.cli._common import BUNDLE, console, echo_json, exit_with_verdict, handle_errors, json_option, verbose_option
 from deploykit.cli._printing import print_tuning_table, skipped_text
 
@@ -27,7 +28,7 @@ def inspect(bundle, as_json, verbose):
         echo_json(info)
     else:
         _print_info(info)
-    exit_with_verdict(info["files_ok"])
+    exit_with_verdict(errors.verdict(info["files_ok"]))
 
 
 def _print_info(info: dict) -> None:

@@ -141,4 +141,4 @@ def validate(bundle, model, factory, trust_pickle, feeds_path, batches, seed, to
         colour = VERDICT_COLOURS[result.verdict]
         console.print(f"[bold {colour}]{result.verdict.upper()}[/]: {summary['bundle']} on {result.runner.name} "
                       f"against {model} ({summary['inputs']})", soft_wrap=True)
-    exit_with_verdict(result.passed, bool(result.validation.inconclusive))
+    exit_with_verdict(result.verdict)

@@ -8,11 +8,11 @@ Kept apart from the pipeline because everything here is optional: it runs only f
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from pathlib import Path
 
 import onnx
 
+from deploykit.bundle.format import cached_sha256
 from deploykit.native import build as native
 from deploykit.backends.tensorrt.builder import EngineBuild, build_engine
 from deploykit.backends.tensorrt.compat import engine_problem_here
@@ -81,7 +81,7 @@ def build_tensorrt_stage(
     problem = engine_problem_here(build.requirements())
     runner = None if problem else TensorRTRunner.from_build(build)
     note = f"engine built but not executed: {problem}" if problem else f"validated on {_where(build)}"
-    sha = hashlib.sha256(Path(plugin_library).read_bytes()).hexdigest() if plugin_library else None
+    sha = cached_sha256(plugin_library) if plugin_library else None  # once, though auto-fix builds again
     targets_text = "_".join("sm" + t.replace(".", "") for t in build.targets)
     return EngineStage(build, f"model.{precision}.{targets_text}.engine", sha, runner, note)
 

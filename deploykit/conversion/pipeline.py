@@ -25,7 +25,7 @@ from deploykit.backends.torch.runner import TorchRunner
 from deploykit.bundle import trust
 from deploykit.bundle import write as bundle
 from deploykit.bundle.format import MODEL, REFERENCE_MODEL, REPORT, REPORT_PAGE
-from deploykit.bundle.manifest import build_manifest, tensor_spec
+from deploykit.bundle.manifest import build_manifest, native_files, tensor_spec
 from deploykit.bundle.read import open_bundle
 from deploykit.conversion import aoti
 from deploykit.conversion.engine import build_tensorrt_stage
@@ -44,7 +44,7 @@ from deploykit.report import render_html
 from deploykit.specs import BatchRange, InputSpec
 from deploykit.validation.compare import parse_tolerances
 from deploykit.validation.inputs import batch_size, load_feeds, random_feeds
-from deploykit.validation.validate import CandidateValidation, validate
+from deploykit.validation.validate import CandidateValidation, Remembered, validate
 from deploykit.versions import tool_versions
 
 
@@ -104,7 +104,7 @@ def _load(state: ConversionState) -> None:
 
 
 def _run_reference(state: ConversionState) -> None:
-    state.reference = TorchRunner(state.loaded, [spec.name for spec in state.specs])
+    state.reference = Remembered(TorchRunner(state.loaded, [spec.name for spec in state.specs]))
     state.example = _example_inputs(state.specs, state.options.batch)
     _probe(state.reference, state.example, state.specs)
     state.feed_sets = _validation_feeds(state.specs, state.options)
@@ -184,8 +184,10 @@ def _auto_fix(state: ConversionState) -> None:
 def _write_bundle(state: ConversionState) -> None:
     state.created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     state.versions = tool_versions()
+    state.native = native_files(state)
     state.report = build_report(state)
-    with bundle.staged_bundle(state.options.output, state.options.force) as (staging, manifest):
+    digests = {entry["file"]: entry["sha256"] for entry in state.native}  # the copies are not hashed again
+    with bundle.staged_bundle(state.options.output, state.options.force, digests) as (staging, manifest):
         onnx.save_model(state.shipped_graph, staging / MODEL)
         if state.precision is not None:
             onnx.save_model(state.precision.fp32, staging / REFERENCE_MODEL)
@@ -198,20 +200,19 @@ def _write_bundle(state: ConversionState) -> None:
         bundle.write_json(staging / REPORT, state.report)
         (staging / REPORT_PAGE).write_text(render_html(state.report, state.validations))
         manifest.update(build_manifest(state))
-    trust.record_written([entry["sha256"] for entry in manifest["native"]])
+    trust.record_written(list(digests.values()))
 
 
 def _tune(state: ConversionState) -> None:
     """Time and check every backend that runs the written bundle here against the in-memory PyTorch
     model, with the conversion's inputs and tolerances, and record the table in the bundle."""
     from deploykit.tools.bench import resolve_device
-    from deploykit.tuning.checking import Reference, Remembered
+    from deploykit.tuning.checking import Reference
     from deploykit.tuning.record import write_tuning
     from deploykit.tuning.tune import TuneSettings, tune
 
     written = open_bundle(state.options.output)
-    reference = Reference(Remembered(state.reference), "the PyTorch model (fp32, CPU) as validated",
-                          state.tolerances)
+    reference = Reference(state.reference, "the PyTorch model (fp32, CPU) as validated", state.tolerances)
     state.tuning = tune(written, reference, state.feed_sets, TuneSettings(device=resolve_device("auto")))
     write_tuning(written.path, state.tuning)
     state.report["tuning"] = state.tuning
@@ -354,7 +355,7 @@ def _example_inputs(specs: list[InputSpec], batch: BatchRange | None) -> dict[st
     return random_feeds(specs, seed=1234)
 
 
-def _probe(reference: TorchRunner, example: dict[str, np.ndarray], specs: list[InputSpec]) -> None:
+def _probe(reference: Remembered, example: dict[str, np.ndarray], specs: list[InputSpec]) -> None:
     try:
         reference.run(example)
     except DeployKitError:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import onnx
 
-from deploykit.bundle.manifest import native_files
 from deploykit.conversion.loading import count_batch_norms
 from deploykit.conversion.state import ConversionState
+from deploykit.errors import verdict
 from deploykit.ops import custom_op_types
 from deploykit.passes import op_histogram
 from deploykit.passes.ort_fusions import ort_only_ops
@@ -51,7 +51,7 @@ def build_report(state: ConversionState) -> dict:
             "candidates": [v.to_json() for v in state.validations],
         },
         "versions": state.versions,
-        "native": native_files(state),
+        "native": state.native,
     }
 
 
@@ -74,7 +74,7 @@ def _verdict(state: ConversionState) -> dict:
         summary += (f", but that proves nothing for output {', '.join(final.inconclusive)}: "
                     "it does not depend on the input")
     return {
-        "verdict": "fail" if not state.passed else "inconclusive" if final.inconclusive else "pass",
+        "verdict": verdict(state.passed, bool(final.inconclusive)),
         "summary": summary,
         "failures": failures,
         "notes": rounding,

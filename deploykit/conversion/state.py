@@ -13,7 +13,6 @@ import numpy as np
 import onnx
 
 from deploykit.backends.onnxruntime.loader import OpLibrary
-from deploykit.backends.torch.runner import TorchRunner
 from deploykit.conversion.aoti import AotiStage
 from deploykit.conversion.engine import EngineStage
 from deploykit.conversion.export import ExportResult
@@ -23,7 +22,7 @@ from deploykit.conversion.precision import PrecisionStage
 from deploykit.passes.base import PassStats
 from deploykit.specs import InputSpec
 from deploykit.validation.compare import Tolerance
-from deploykit.validation.validate import CandidateValidation
+from deploykit.validation.validate import CandidateValidation, Remembered
 
 
 @dataclasses.dataclass
@@ -33,7 +32,7 @@ class ConversionState:
     loaded: LoadedModel | None = None
     specs: list[InputSpec] = dataclasses.field(default_factory=list)  # in the model's argument order
     # "Running the model in PyTorch"
-    reference: TorchRunner | None = None
+    reference: Remembered | None = None  # the TorchRunner, run once per feed set
     example: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # the export's inputs
     feed_sets: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)  # validation's, one per batch size
     # "Exporting ONNX": exported.model is the plain export
@@ -64,6 +63,7 @@ class ConversionState:
     # "Writing the bundle": shared by the report and the manifest
     created: str | None = None
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    native: list[dict] = dataclasses.field(default_factory=list)  # the manifest's ``native`` entries, hashed once
     report: dict = dataclasses.field(default_factory=dict)
     # "Timing what runs here (--tune)": the manifest's tuning table
     tuning: dict | None = None

@@ -9,7 +9,7 @@ from pathlib import Path
 from deploykit.errors import BadInputError, EnvironmentProblem
 from deploykit.bundle import trust
 from deploykit.bundle.read import Bundle, check_validation, open_bundle
-from deploykit.backends.aoti.bundle import load_aoti, runnable_entry
+from deploykit.backends.aoti.bundle import load_aoti
 from deploykit.backends.base.runner import Runner
 from deploykit.backends.onnxruntime import wheels
 from deploykit.backends.onnxruntime.bundle import load_onnxruntime
@@ -40,12 +40,13 @@ def ort_has_cuda() -> bool:
 
 def choose_backend(bundle: Bundle, backend: str, device: str, trust_native: bool = False) -> tuple[str, str, list[str]]:
     """(backend, device, notes): an engine on the GPU when it can run here (and its plugins may: with
-    ``backend="auto"`` a foreign engine with plugins gives way to ONNX Runtime), else ONNX Runtime."""
+    ``backend="auto"`` a foreign engine with plugins gives way to ONNX Runtime), else ONNX Runtime.
+    ``backend="aoti"`` keeps ``device`` as asked: its loader picks the package for the GPU it runs on."""
     if backend not in BACKENDS:
         raise BadInputError(f"backend {backend!r}: use one of {', '.join(BACKENDS)}")
     notes: list[str] = []
     if backend == "aoti":
-        return "aoti", runnable_entry(bundle, device)["device"], notes
+        return "aoti", device, notes
     if backend in ("auto", "tensorrt") and device != "cpu":
         if not bundle.engines:
             if backend == "tensorrt":
@@ -53,9 +54,8 @@ def choose_backend(bundle: Bundle, backend: str, device: str, trust_native: bool
         else:
             entry = bundle.engines[0]
             problem = engine_problem_here(entry)
-            if problem is None and backend == "auto" and trust.engine_needs_consent(bundle, entry, trust_native):
-                problem = ("its plugins are native code this machine's deploykit did not build "
-                           "(trust_native=True / --trust-bundle runs them)")
+            if problem is None and backend == "auto":
+                problem = trust.plugins_problem(bundle, entry, trust_native, "trust_native=True / --trust-bundle")
             if problem is None:
                 return "tensorrt", "cuda", notes
             if backend == "tensorrt":
@@ -116,8 +116,8 @@ def load(bundle: str | Path | Bundle, backend: str = "auto", device: str = "auto
         if unknown:
             raise BadInputError(f"{', '.join(unknown)} do not apply to AOTInductor packages (options: "
                                 f"{', '.join(AOTI_OPTIONS)})")
-        runner = load_aoti(opened, runnable_entry(opened, kind, device_id), device_id, verify=verify,
-                           trust_native=trust_native, notes=notes, allow_unvalidated=allow_unvalidated, **options)
+        runner = load_aoti(opened, None, device_id, device=kind, verify=verify, trust_native=trust_native,
+                           notes=notes, allow_unvalidated=allow_unvalidated, **options)
     elif chosen == "tensorrt":
         if options:
             raise BadInputError(f"{', '.join(options)} apply to ONNX Runtime only; this bundle runs its TensorRT engine")

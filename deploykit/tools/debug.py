@@ -105,7 +105,8 @@ def fix_bundle(bundle: BundleGraphs, feeds: dict, max_pinned: int = 16,
     tolerances = {name: Tolerance.for_precision(bundle.precision) for name in outputs}
     problem = FixProblem(fp32, bundle.precision, bundle.io_precision, {}, feeds,
                          {name: expected[name] for name in outputs}, tolerances, bundle.op_library,
-                         keep_fp32=dict.fromkeys(fp32_node_names(bundle.model), "fp32 in the bundle"))
+                         keep_fp32=dict.fromkeys(fp32_node_names(bundle.model), "fp32 in the bundle"),
+                         fp32_values=expected)
     return auto_fix(problem, max_pinned)
 
 

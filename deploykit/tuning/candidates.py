@@ -14,9 +14,8 @@ import inspect
 
 import onnx
 
-from deploykit.backends.aoti.bundle import load_aoti, runnable_entry
-from deploykit.backends.aoti.compat import package_problem_here
-from deploykit.backends.aoti.loader import is_static
+from deploykit.backends.aoti.bundle import load_aoti, packages_of
+from deploykit.backends.aoti.compat import PackageChecks
 from deploykit.backends.base.runner import Runner
 from deploykit.backends.onnxruntime.bundle import load_onnxruntime
 from deploykit.backends.onnxruntime.loader import CUDA_EP
@@ -61,14 +60,17 @@ def has_conv(bundle: Bundle) -> bool:
     return any(node.op_type in ("Conv", "ConvTranspose") for node in nodes)
 
 
-def find_candidates(bundle: Bundle, device: str, trust_native: bool = False, device_id: int = 0) -> list[Candidate]:
-    """Every candidate for ``device`` ("cpu" or "cuda"), in a fixed order, skipped ones with their reason."""
-    found = _onnxruntime(bundle, device)
+def find_candidates(bundle: Bundle, device: str, trust_native: bool = False, device_id: int = 0,
+                    checks: PackageChecks | None = None, *, convolutions: bool | None = None) -> list[Candidate]:
+    """Every candidate for ``device`` ("cpu" or "cuda"), in a fixed order, skipped ones with their reason.
+    ``checks``: the AOTInductor packages' problems, shared with the loader that opens the choice;
+    ``convolutions``: whether the graph has any, where the caller knows (None: the graph is read)."""
+    found = _onnxruntime(bundle, device, convolutions)
     found += [_engine(bundle, entry, device, trust_native) for entry in bundle.engines]
-    return found + _aoti(bundle, device, device_id, trust_native)
+    return found + _aoti(bundle, device, trust_native, checks or PackageChecks(device_id))
 
 
-def _onnxruntime(bundle: Bundle, device: str) -> list[Candidate]:
+def _onnxruntime(bundle: Bundle, device: str, convolutions: bool | None) -> list[Candidate]:
     if device == "cpu":
         return [Candidate("onnxruntime", {}, "ONNX Runtime, CPU")]
     import onnxruntime as ort
@@ -78,7 +80,7 @@ def _onnxruntime(bundle: Bundle, device: str) -> list[Candidate]:
                           f"onnxruntime has no {CUDA_EP} (pip install onnxruntime-gpu)")]
     keywords = ort_keywords()
     graphs = (False, True) if "cuda_graph" in keywords else (None,)
-    layouts = (False, True) if has_conv(bundle) else (None,)
+    layouts = (False, True) if (has_conv(bundle) if convolutions is None else convolutions) else (None,)
     found = []
     for graph in graphs:
         for nhwc in layouts:
@@ -99,23 +101,22 @@ def _ort_label(options: dict) -> str:
 
 def _engine(bundle: Bundle, entry: dict, device: str, trust_native: bool) -> Candidate:
     problem = "TensorRT runs on the GPU only" if device != "cuda" else engine_problem_here(entry)
-    if problem is None and trust.engine_needs_consent(bundle, entry, trust_native):
-        problem = "its plugins are native code this machine's deploykit did not build (--trust-bundle runs them)"
+    problem = problem or trust.plugins_problem(bundle, entry, trust_native)
     return Candidate("tensorrt", {"file": entry["file"]}, f"TensorRT {entry['file']}", problem)
 
 
-def _aoti(bundle: Bundle, device: str, device_id: int, trust_native: bool) -> list[Candidate]:
+def _aoti(bundle: Bundle, device: str, trust_native: bool, checks: PackageChecks) -> list[Candidate]:
     """One candidate per package kind of this device: the static packages (one per batch size,
     each taking only its own) and the dynamic one, with and without CUDA graphs where allowed."""
     found = []
     for kind in ("static", "dynamic"):
-        kept = [e for e in bundle.aoti if e["device"] == device and is_static(e) == (kind == "static")]
+        kept = packages_of(bundle, device, kind)
         if not kept:
             continue
-        problems = [package_problem_here(e, device_id) for e in kept]
+        problems = [checks.problem(e) for e in kept]
         runnable = [e for e, problem in zip(kept, problems) if problem is None]
         problem = None if runnable else problems[0]
-        if any(_foreign(bundle, e) for e in runnable) and not trust_native:
+        if any(trust.is_foreign(bundle, e["file"]) for e in runnable) and not trust_native:
             problem = "native code this machine's deploykit did not build (--trust-bundle runs it)"
         ranges = [(e["batch"]["min"], e["batch"]["max"]) for e in runnable or kept]
         graphs = (False, True) if device == "cuda" and any(e.get("cuda_graph") for e in runnable) else (False,)
@@ -124,10 +125,6 @@ def _aoti(bundle: Bundle, device: str, device_id: int, trust_native: bool) -> li
                             f"AOTInductor {kind} ({files}){', CUDA graph' if graph else ''}", problem, ranges)
                   for graph in graphs]
     return found
-
-
-def _foreign(bundle: Bundle, entry: dict) -> bool:
-    return trust.provenance(bundle.manifest["files"][entry["file"]]["sha256"]) == trust.FOREIGN
 
 
 def accepted_batches(here: list[Candidate], backend: str, options: dict) -> list[tuple[int, int]] | None:
@@ -148,15 +145,16 @@ def choice_problem(here: list[Candidate], backend: str, options: dict) -> str | 
 
 def open_runner(bundle: Bundle, backend: str, options: dict, device: str, device_id: int = 0, *,
                 trust_native: bool = False, notes: list[str] | None = None, allow_unvalidated: bool = False,
-                verify: bool = True, **ort_options) -> Runner:
+                verify: bool = True, checks: PackageChecks | None = None, **ort_options) -> Runner:
     """A runner for one candidate; ``ort_options`` (threads, stream, ...) go to ONNX Runtime and
-    override the candidate's own (a user's cuda_graph=False wins over the tuned choice)."""
+    override the candidate's own (a user's cuda_graph=False wins over the tuned choice); ``checks``:
+    the AOTInductor packages' problems as :func:`find_candidates` found them."""
     if backend == "onnxruntime":
         return load_onnxruntime(bundle, device, device_id, verify=verify, notes=notes, trust_native=trust_native,
                                 allow_unvalidated=allow_unvalidated, **{**options, **ort_options})
     if backend == "tensorrt":
         entry = next(e for e in bundle.engines if e["file"] == options["file"])
         return load_tensorrt_engine(bundle, entry, device_id, verify=verify, notes=notes, trust_native=trust_native)
-    return load_aoti(bundle, runnable_entry(bundle, device, device_id), device_id, verify=verify,
-                     trust_native=trust_native, cuda_graph=options.get("cuda_graph"), notes=notes,
-                     allow_unvalidated=allow_unvalidated, packages=options["packages"])
+    return load_aoti(bundle, None, device_id, device=device, checks=checks, verify=verify, trust_native=trust_native,
+                     cuda_graph=options.get("cuda_graph"), notes=notes, allow_unvalidated=allow_unvalidated,
+                     packages=options["packages"])

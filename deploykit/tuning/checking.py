@@ -16,7 +16,7 @@ import numpy as np
 from deploykit.backends.onnxruntime.runner import OnnxRuntimeRunner
 from deploykit.bundle.read import Bundle
 from deploykit.validation.compare import Tolerance, parse_tolerances
-from deploykit.validation.validate import validate
+from deploykit.validation.validate import Remembered, validate
 
 
 @dataclasses.dataclass
@@ -26,23 +26,6 @@ class Reference:
     runner: object
     label: str
     tolerances: dict[str, Tolerance]
-
-
-class Remembered:
-    """A reference run once per feed set (keyed by the feed set's identity): validating candidates
-    one by one compares them all with the same run, and the reference does not run again each time."""
-
-    def __init__(self, runner):
-        self.runner, self.name, self._runs = runner, runner.name, {}
-
-    def run(self, feeds: dict) -> dict:
-        key = id(feeds)
-        if key not in self._runs:
-            self._runs[key] = (feeds, self.runner.run(feeds))  # the feeds are kept: their id stays theirs
-        return self._runs[key][1]
-
-    def in_float64(self):
-        return self.runner.in_float64()
 
 
 def source_reference(loaded, bundle: Bundle) -> Reference:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 
-from deploykit.backends.base.feeds import collect_feeds
+from deploykit.backends.aoti.compat import PackageChecks
+from deploykit.backends.base.feeds import given_batch
 from deploykit.backends.base.runner import Runner
 from deploykit.bundle.read import Bundle
 from deploykit.tuning import record
@@ -55,8 +56,11 @@ class TunedRunner(Runner):
         return chosen.runner if chosen is not None else self.fallback
 
     def run(self, feeds=None, /, **named) -> dict:
-        shape = next(iter(collect_feeds(feeds, named, self.inputs).values())).shape  # checked, not copied
-        return self.runner_for(int(shape[0]) if shape else 1).run(feeds, **named)
+        """The call, on the runner of its batch, which checks the feeds (an input missing: any runner
+        says so)."""
+        batch = given_batch(feeds, named, self.inputs)
+        runner = self.runner_for(batch) if batch is not None else self.routes[0].runner
+        return runner.run(feeds, **named)
 
     def describe(self) -> dict:
         return {**super().describe(), "routes": {route.batch: route.label for route in self.routes}}
@@ -78,16 +82,18 @@ def load_tuned(bundle: Bundle, device: str, device_id: int, notes: list[str], *,
         notes.append(f"tuning not used: {problem}")
         return None
     opened: dict[str, Runner] = {}
+    checks = PackageChecks(device_id)  # each AOTInductor package checked once, by the candidates and loaders
 
     def runner(backend: str, options: dict) -> Runner:
         key = json.dumps([backend, options], sort_keys=True)
         if key not in opened:
             opened[key] = open_runner(bundle, backend, options, device, device_id, trust_native=trust_native,
-                                      notes=list(notes), verify=verify, allow_unvalidated=allow_unvalidated,
+                                      notes=list(notes), verify=verify, allow_unvalidated=allow_unvalidated, checks=checks,
                                       **({**ort_options, "op_library": op_library} if backend == "onnxruntime" else {}))
         return opened[key]
 
-    routes, here = [], find_candidates(bundle, device, trust_native, device_id)
+    routes, here = [], find_candidates(bundle, device, trust_native, device_id, checks,
+                                       convolutions=tuned_convolutions(tuning))
     for choice in tuning["choices"]:
         backend, options = choice["backend"], choice["options"]
         problem = choice_problem(here, backend, options)
@@ -103,3 +109,9 @@ def load_tuned(bundle: Bundle, device: str, device_id: int, notes: list[str], *,
     fallback = runner("onnxruntime", {}) if any(route.accepts for route in routes) else None
     notes.append("tuned: " + ", ".join(f"batch {route.batch} -> {route.label}" for route in routes))
     return TunedRunner(bundle, device, routes, fallback, notes)
+
+
+def tuned_convolutions(tuning: dict) -> bool:
+    """Whether the tuned graph has convolutions, as its choices tell (NHWC kernels were among the
+    candidates only then): the graph is not read again to match the choices with the candidates."""
+    return any("prefer_nhwc" in choice["options"] for choice in tuning["choices"])

@@ -24,7 +24,7 @@ from deploykit.passes.precision import (FLOAT, ORT_FP32_INSIDE, PrecisionResult,
 from deploykit.validation.compare import Tolerance, compare_output, finite_max_abs, tolerance_excess
 from deploykit.validation.cost import multiply_adds
 from deploykit.validation.groups import Group, candidate_groups
-from deploykit.validation.layerwise import FLOAT_TYPES, LayerDiff, compare_layers, run_values
+from deploykit.validation.layerwise import FLOAT_TYPES, LayerDiff, compare_layers, run_values, values_runner
 
 _OUTPUT_METRICS = ("max_abs", "max_rel", "cosine", "top1_agreement", "nan", "inf")
 #: Groups are tried while the multiply-adds pinned by auto-fix stay within this share of the
@@ -181,13 +181,17 @@ class FixProblem:
     target: str = "onnxruntime"  # the runtime the graph is typed for (passes.precision.TARGETS)
     #: the other validation inputs and their expected outputs: a fix must pass them too
     others: list[tuple[dict, dict]] = dataclasses.field(default_factory=list)
+    #: ``run_values`` of ``fp32`` on ``feeds`` where the caller has it (else auto_fix runs it)
+    fp32_values: dict | None = None
 
     def typed(self, pinned: list[PinnedNode]) -> PrecisionResult:
         keep = {**self.keep_fp32, **{p.node: f"auto-fix: {p.reason}" for p in pinned}}
         return apply_precision(self.fp32, self.precision, self.io_precision, keep, self.ranges, self.target)
 
-    def run(self, result: PrecisionResult) -> dict:
-        return run_values(emulate(result.model), self.feeds, self.op_library)
+    def run(self, result: PrecisionResult) -> list[dict]:
+        """The emulation's values on the failing inputs, then on each of the others: one session."""
+        values = values_runner(emulate(result.model), self.op_library)
+        return [values(feeds) for feeds in [self.feeds, *(feeds for feeds, _ in self.others)]]
 
     def check(self, values: dict, expected: dict | None = None) -> tuple[list[str], dict]:
         failures, metrics = [], {}
@@ -197,14 +201,11 @@ class FixProblem:
             metrics[name] = {k: comparison.metrics.get(k) for k in _OUTPUT_METRICS}
         return failures, metrics
 
-    def verdict(self, result: PrecisionResult, values: dict) -> tuple[list[str], dict[str, float]]:
+    def verdict(self, runs: list[dict]) -> tuple[list[str], dict[str, float]]:
         """Failures and, per output, how far it is from passing (:func:`tolerance_excess`), on the
-        failing inputs (``values``: their run) and on the others."""
-        runs = [(values, self.expected)]
-        emulated = emulate(result.model) if self.others else None
-        runs += [(run_values(emulated, feeds, self.op_library), expected) for feeds, expected in self.others]
+        failing inputs and on the others (``runs``: what :meth:`run` gave)."""
         failures, excess = [], dict.fromkeys(self.expected, 0.0)
-        for run, expected in runs:
+        for run, expected in zip(runs, [self.expected, *(expected for _, expected in self.others)]):
             failures += self.check(run, expected)[0]
             for name, wanted in expected.items():
                 off = tolerance_excess(wanted, run[name].astype(np.float32), self.tolerances[name])
@@ -246,7 +247,7 @@ class _Search:
     def __init__(self, problem: FixProblem, max_pinned: int):
         self.problem, self.max_pinned = problem, max_pinned
         self.tolerance = Tolerance.for_precision(problem.precision)
-        self.reference = run_values(problem.fp32, problem.feeds, problem.op_library)
+        self.reference = problem.fp32_values or run_values(problem.fp32, problem.feeds, problem.op_library)
         self.shapes = {name: array.shape for name, array in self.reference.items()}
         self.magnitudes = {name: finite_max_abs(array) for name, array in self.reference.items()}
         graph = ir.serde.deserialize_graph(problem.fp32.graph)
@@ -281,8 +282,8 @@ class _Search:
 
     def _try(self, pins: list[PinnedNode]) -> _Trial:
         result = self.problem.typed(pins)
-        values = self.problem.run(result)
-        return _Trial(result, values, *self.problem.verdict(result, values))
+        runs = self.problem.run(result)
+        return _Trial(result, runs[0], *self.problem.verdict(runs))
 
     def _pin_culprits(self, graph: ir.Graph, diffs: list[LayerDiff]) -> _Trial | str | None:
         """A round of single culprits; None when there is none."""

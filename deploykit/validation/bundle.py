@@ -18,7 +18,7 @@ import numpy as np
 from deploykit import runtime
 from deploykit.backends.torch.runner import TorchRunner
 from deploykit.validation.compare import parse_tolerances
-from deploykit.errors import BadInputError
+from deploykit.errors import BadInputError, verdict
 from deploykit.conversion.loading import load_model
 from deploykit.validation.validate import CandidateValidation, run_checked, validate
 
@@ -37,7 +37,7 @@ class BundleValidation:
     @property
     def verdict(self) -> str:
         """pass, fail, or inconclusive: it passed, but an output does not depend on the inputs."""
-        return "fail" if not self.passed else "inconclusive" if self.validation.inconclusive else "pass"
+        return verdict(self.passed, bool(self.validation.inconclusive))
 
     def to_json(self) -> dict:
         return {

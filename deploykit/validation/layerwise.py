@@ -51,13 +51,22 @@ def run_values(model: onnx.ModelProto, feeds: dict[str, np.ndarray], op_library:
 
     ``optimize=False`` turns ONNX Runtime's graph rewrites off: the graph's own semantics.
     """
+    return values_runner(model, op_library, optimize)(feeds)
+
+
+def values_runner(model: onnx.ModelProto, op_library: Path | None = None, optimize: bool = True):
+    """``run_values`` of ``model`` as a function of the feeds: one session for several feed sets."""
     options = loader.session_options(op_library=op_library, optimize=optimize)
     session = loader.create_session(expose_values(model), options, what="the graph")
     inputs = {i.name: i.type for i in session.get_inputs()}
-    arrays = session.run(None, {name: _as_input(array, inputs[name]) for name, array in feeds.items()
-                                if name in inputs})
-    values = dict(zip((o.name for o in session.get_outputs()), arrays))
-    return {**{k: v for k, v in feeds.items() if v.dtype.kind == "f"}, **values}
+    names = [o.name for o in session.get_outputs()]
+
+    def run(feeds: dict[str, np.ndarray]) -> dict:
+        arrays = session.run(None, {name: _as_input(array, inputs[name]) for name, array in feeds.items()
+                                    if name in inputs})
+        return {**{k: v for k, v in feeds.items() if v.dtype.kind == "f"}, **dict(zip(names, arrays))}
+
+    return run
 
 
 def _as_input(array: np.ndarray, onnx_type: str):

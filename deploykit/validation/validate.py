@@ -73,6 +73,30 @@ class CandidateValidation:
         }
 
 
+class Remembered:
+    """A reference run once per feed set (keyed by the feed set's identity): the candidates, the
+    auto-fix and the validation after it compare with the same run, and the reference does not run
+    again each time. Its float64 copy is remembered the same way."""
+
+    def __init__(self, runner):
+        self.runner, self.name, self._runs, self._exact = runner, runner.name, {}, None
+
+    @property
+    def output_names(self) -> list[str] | None:
+        return self.runner.output_names
+
+    def run(self, feeds: dict) -> dict:
+        key = id(feeds)
+        if key not in self._runs:
+            self._runs[key] = (feeds, self.runner.run(feeds))  # the feeds are kept: their id stays theirs
+        return self._runs[key][1]
+
+    def in_float64(self) -> Remembered:
+        if self._exact is None:
+            self._exact = Remembered(self.runner.in_float64())
+        return self._exact
+
+
 def validate(
     reference,
     candidates: dict[str, object],

@@ -208,6 +208,41 @@ def test_a_package_of_another_torch_is_left_out_or_refused(bundle, tmp_path):
         deploykit.load(copy, backend="aoti", device="cpu")
 
 
+def _gpus(monkeypatch, gpus: dict[int, tuple[str, tuple[int, int]]]) -> None:
+    """torch sees ``gpus`` (index -> (name, capability)), as on a machine with those GPUs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(gpus))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: gpus[index][0])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: gpus[index][1])
+
+
+def test_cuda_n_runs_the_package_for_gpu_n_each_package_checked_once(monkeypatch, tmp_path):
+    """On cuda:1 the package must fit GPU 1 (an H200 here), not GPU 0 (an A100): the choice, the loader
+    and the package loop share one check per package."""
+    from deploykit.backends.aoti import bundle as aoti_bundle
+    from deploykit.backends.aoti.loader import Package
+    from deploykit.bundle.read import Bundle
+    from deploykit.runtime import choose
+
+    _gpus(monkeypatch, {0: ("NVIDIA A100", (8, 0)), 1: ("NVIDIA H200", (9, 0))})
+    entry = {"file": "aoti-cuda.pt2", "device": "cuda", "cuda_arch": "9.0", "gpu": "NVIDIA H200",
+             "torch": torch.__version__, "batch": {"min": 1, "max": 4}, "validated": True}
+    spec = {"name": "x", "dtype": "float32", "shape": ["batch", 3]}
+    opened = Bundle(tmp_path, {"validation": {"passed": True}, "aoti": [entry], "inputs": [spec], "outputs": [spec]})
+    monkeypatch.setattr(choose, "open_bundle", lambda path: opened)
+    monkeypatch.setattr(trust, "aoti_package", lambda bundle, e, verify, trust_native: tmp_path / e["file"])
+    loaded, checked = [], []
+    monkeypatch.setattr(aoti_bundle, "load_package", lambda path, e, index, graph: loaded.append(index) or Package(e, None))
+    check = compat.package_problem_here
+    monkeypatch.setattr(compat, "package_problem_here", lambda e, index=0: checked.append(index) or check(e, index))
+    runner = deploykit.load(tmp_path, backend="aoti", device="cuda:1")
+    assert runner.device_id == 1 and loaded == [1] and checked == [1]
+    with pytest.raises(EnvironmentProblem, match=r"aoti-cuda.pt2 was compiled for compute capability 9.0 \(NVIDIA "
+                                                 r"H200\) and this NVIDIA A100 is 8.0"):
+        deploykit.load(tmp_path, backend="aoti", device="cuda:0")
+    assert checked == [1, 0]
+
+
 # --------------------------------------------------------------------------- trust
 
 

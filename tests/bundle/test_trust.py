@@ -3,7 +3,11 @@ the decision (deploykit.bundle.trust) as deploykit.load, inspect and the manifes
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+import torch
 
 import deploykit
 from deploykit.bundle import trust
@@ -133,3 +137,43 @@ def test_bundle_engine_deserialized_with_host_code_only_when_known(tmp_path, mon
     with pytest.raises(Deserialized) as deserialized:
         trt_bundle.load_tensorrt_engine(*_engine_of(bundle), trust_native=True)
     assert deserialized.value.args == (True,)
+
+
+def test_the_build_cache_is_hashed_once_per_process(tmp_path, monkeypatch):
+    """Provenance asks about the build cache on every check: a library is hashed again only when it changes."""
+    from deploykit.bundle import format
+
+    monkeypatch.setenv("DEPLOYKIT_CACHE", str(tmp_path / "cache"))
+    build = tmp_path / "cache" / "build" / "key"
+    build.mkdir(parents=True)
+    (build / "libours.so").write_bytes(b"a library")
+    (build / trust.native.MANIFEST).write_text(json.dumps({"libraries": {"onnxruntime": "libours.so"}}))
+    hashed, real = [], format.sha256_of
+    monkeypatch.setattr(format, "sha256_of", lambda path: hashed.append(path.name) or real(path))
+    monkeypatch.setattr(format, "_DIGESTS", {})
+    digest = real(build / "libours.so")
+    assert trust.provenance(digest) == trust.SAME_AS_BUILD and trust.provenance("0" * 64) == trust.FOREIGN
+    assert hashed == ["libours.so"]
+    (build / "libours.so").write_bytes(b"a library, rebuilt")
+    assert trust.provenance(digest) == trust.FOREIGN and hashed == ["libours.so"] * 2
+
+
+def test_a_conversion_hashes_each_native_file_once(tmp_path, monkeypatch):
+    """The report, the manifest's native list and its files share one sha256 of the op library."""
+    import model_zoo
+    from deploykit.bundle import format, manifest, write
+    from deploykit.conversion.options import ConvertOptions
+    from deploykit.conversion.pipeline import convert
+    from deploykit.specs import BatchRange, InputSpec
+
+    torch.save(model_zoo.tabular().state_dict(), tmp_path / "tabular.pt")
+    hashed, real = [], format.sha256_of
+    for module in (format, manifest, write):
+        monkeypatch.setattr(module, "sha256_of", lambda path: hashed.append(Path(path).name) or real(path))
+    monkeypatch.setattr(format, "_DIGESTS", {})
+    convert(ConvertOptions(tmp_path / "tabular.pt", tmp_path / "bundle", [InputSpec("features", (1, 13), "float32")],
+                           batch=BatchRange(1, 2, 4), factory="model_zoo:tabular"))
+    written = open_bundle(tmp_path / "bundle")
+    assert written.op_library["file"] == LIBRARY and hashed.count(LIBRARY) == 1
+    assert written.manifest["files"][LIBRARY]["sha256"] == real(tmp_path / "bundle" / LIBRARY)
+    assert [n["sha256"] for n in written.manifest["native"]] == [written.manifest["files"][LIBRARY]["sha256"]]

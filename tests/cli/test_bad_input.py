@@ -300,3 +300,14 @@ def test_feeds_lack_the_input(tmp_path, out, scripted):
     result = convert(tmp_path, scripted, "-o", out, "--input", INPUT, "--inputs", feeds)
     assert_rejected(result, "error:", "--inputs", "lacks x", "name the arrays")
     assert_nothing_left(out)
+
+
+def test_each_verdict_exits_with_its_code():
+    """0 passed, 1 failed, 5 passed but proved nothing: what convert, validate, inspect and debug exit with."""
+    from deploykit import errors
+    from deploykit.cli._common import exit_with_verdict
+
+    for passed, inconclusive, code in ((True, False, 0), (False, False, 1), (False, True, 1), (True, True, 5)):
+        with pytest.raises(SystemExit) as exited:
+            exit_with_verdict(errors.verdict(passed, inconclusive))
+        assert exited.value.code == code

@@ -110,3 +110,14 @@ def test_numpy_and_cuda_arrays(bundle, model):
     assert hasattr(device_out, "__cuda_array_interface__") and not isinstance(device_out, torch.Tensor)
     torch.cuda.synchronize()
     np.testing.assert_allclose(cupy.asnumpy(cupy.asarray(device_out)), out, rtol=1e-6, atol=1e-6)
+
+
+def test_cuda_n_loads_and_runs_on_gpu_n(bundle, model):
+    """device="cuda:1" checks GPU 1's capability (not GPU 0's) and runs there."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs that torch sees")
+    runner = deploykit.load(bundle, backend="aoti", device="cuda:1")
+    x = images(2).to("cuda:1")
+    [output] = runner(x).values()
+    assert runner.device_id == 1 and output.device == torch.device("cuda", 1)
+    torch.testing.assert_close(output.cpu(), in_pytorch(model, x), rtol=1e-5, atol=1e-5)

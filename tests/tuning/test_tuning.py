@@ -341,3 +341,44 @@ def test_bench_times_the_aoti_packages_by_kind(aoti_bundle, tmp_path):
     assert [r["batch"] for r in entries["aoti-static"]["results"]] == [2]
     assert entries["aoti-static"]["not_timed"] == [3]
     assert [r["batch"] for r in entries["aoti-dynamic"]["results"]] == [2, 3]
+
+
+def test_a_tuned_call_checks_its_feeds_once(tuned, monkeypatch):
+    """The tuned runner reads the batch only; the runner it routes to checks the feeds."""
+    from deploykit.backends.base import feeds as checking
+
+    runner = deploykit.load(tuned, device="cpu")
+    assert isinstance(runner, TunedRunner)
+    collected, check = [], checking.check_feed
+    monkeypatch.setattr(checking, "check_feed", lambda *args: collected.append(args) or check(*args))
+    feeds = runtime.random_inputs(runner.inputs, 2)
+    assert runner(feeds).keys() == set(runner.output_names) and len(collected) == 1
+    [name] = runner.input_names
+    assert runner(feeds[name]).keys() == set(runner.output_names) and len(collected) == 2
+    with pytest.raises(BadInputError, match=f"missing {name}"):
+        runner({})
+
+
+def test_the_tuned_runner_knows_the_layouts_without_reading_the_graph(monkeypatch, tmp_path):
+    """NHWC candidates exist only for a graph with convolutions; a tuned table's choices already say
+    whether it has any, so ``load`` does not parse the graph to match them."""
+    import onnxruntime
+
+    from deploykit.bundle.read import Bundle
+    from deploykit.tuning import candidates
+    from deploykit.tuning.route import tuned_convolutions
+
+    def unread(bundle):
+        raise AssertionError("the graph was read")
+
+    monkeypatch.setattr(candidates, "has_conv", unread)
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    bundle = Bundle(tmp_path, {})
+    plain = [c.options for c in candidates.find_candidates(bundle, "cuda", convolutions=False)]
+    assert plain == [{"cuda_graph": False}, {"cuda_graph": True}]
+    layouts = [c.options for c in candidates.find_candidates(bundle, "cuda", convolutions=True)]
+    assert {"cuda_graph": True, "prefer_nhwc": True} in layouts and len(layouts) == 4
+    choice = {"batch": 1, "backend": "onnxruntime"}
+    assert tuned_convolutions({"choices": [{**choice, "options": {"cuda_graph": True, "prefer_nhwc": False}}]})
+    assert not tuned_convolutions({"choices": [{**choice, "options": {"cuda_graph": True}},
+                                               {**choice, "backend": "aoti", "options": {"packages": "static"}}]})

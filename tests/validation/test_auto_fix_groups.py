@@ -10,6 +10,8 @@ with a clear message.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 
 import numpy as np
@@ -183,3 +185,62 @@ def test_candidate_groups_come_cheapest_first_and_say_why():
     # the sum with the chain it leaves (the MatMul) is the chain again: kept once
     assert [set(g.nodes) for g in groups] == [{"sum"}, {"matmul", "sum"}]
     assert not candidate_groups(graph, retype, magnitudes, shapes, names, "fp16", budget=0)
+
+
+# --- what auto-fix runs -------------------------------------------------------------------------------
+
+
+def test_each_trial_runs_every_feed_set_in_one_session(monkeypatch):
+    """A trial types the graph once and runs the failing inputs and the others in one ONNX Runtime
+    session; the fp32 graph runs once, and not at all when the caller has its values."""
+    from deploykit.validation import auto_fix as fixing
+    from deploykit.validation import layerwise
+
+    problem = matrix_stack()
+    rng = np.random.default_rng(1)
+    for rows in (2, 4):
+        feeds = {"x": rng.standard_normal((rows, 64)).astype(np.float32)}
+        problem.others.append((feeds, {"y": run_values(problem.fp32, feeds)["y"]}))
+    sessions, trials, runs = [], [], []
+    create, try_ = layerwise.loader.create_session, fixing._Search._try
+
+    def counted_session(*args, **kwargs):
+        session = create(*args, **kwargs)
+        sessions.append(session)
+        return session
+
+    monkeypatch.setattr(layerwise.loader, "create_session", counted_session)
+    monkeypatch.setattr(fixing._Search, "_try", lambda search, pins: trials.append(pins) or try_(search, pins))
+    monkeypatch.setattr(fixing, "emulate", lambda model, emulate=fixing.emulate: runs.append(model) or emulate(model))
+    auto_fix(problem)
+    assert trials and len(sessions) == len(trials) + 1 == len(runs) + 1  # the + 1: the fp32 graph's values
+    sessions.clear()
+    trials.clear()
+    auto_fix(dataclasses.replace(problem, fp32_values=run_values(problem.fp32, problem.feeds)))
+    assert len(sessions) == len(trials) + 1  # the + 1: run_values just above
+
+
+def test_a_conversion_with_auto_fix_runs_pytorch_once_per_feed_set(monkeypatch, tmp_path):
+    """Validation, auto-fix (each round and the TensorRT graph's too) and the validation after it
+    compare with one PyTorch run of each feed set, in fp32 and in float64."""
+    import model_zoo
+    from deploykit.backends.torch.runner import TorchRunner
+    from deploykit.conversion.options import ConvertOptions
+    from deploykit.conversion.pipeline import convert as convert_in_process
+    from deploykit.specs import BatchRange, InputSpec
+
+    torch.manual_seed(0)
+    torch.save(model_zoo.residual_stream_2x30().state_dict(), tmp_path / "weights.pt")
+    runs, run = [], TorchRunner.run
+
+    def counted(runner, feeds=None, /, **named):
+        runs.append((runner.float_type, *(hashlib.sha256(array.tobytes()).hexdigest() for array in feeds.values())))
+        return run(runner, feeds, **named)
+
+    monkeypatch.setattr(TorchRunner, "run", counted)
+    options = ConvertOptions(tmp_path / "weights.pt", tmp_path / "bundle", [InputSpec("x", (1, 128, 32), "float32")],
+                             batch=BatchRange(1, 2, 4), factory="model_zoo:residual_stream_2x30", precision="fp16",
+                             auto_fix=True)
+    result = convert_in_process(options)
+    assert result.passed and result.report["precision"]["auto_fix"]["rounds"] >= 1
+    assert len(runs) > 3 and len(set(runs)) == len(runs)

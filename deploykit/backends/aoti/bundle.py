@@ -5,7 +5,7 @@ run here left out with a note.
 
 from __future__ import annotations
 
-from deploykit.backends.aoti.compat import package_problem_here
+from deploykit.backends.aoti.compat import PackageChecks
 from deploykit.backends.aoti.loader import is_static, load_package
 from deploykit.backends.aoti.runner import AotiRunner
 from deploykit.bundle import trust
@@ -16,15 +16,17 @@ from deploykit.errors import BadInputError, EnvironmentProblem
 PACKAGE_CHOICES = ("both", "static", "dynamic")
 
 
-def runnable_entry(bundle: Bundle, device: str, device_id: int = 0) -> dict:
+def runnable_entry(bundle: Bundle, device: str, device_id: int = 0, checks: PackageChecks | None = None) -> dict:
     """The first of the bundle's packages for ``device`` ("cpu", "cuda"; "auto": cuda, else cpu) that
-    can run here; a clear error naming why none can."""
+    can run on GPU ``device_id`` here (``checks``: what this load found so far); a clear error
+    naming why none can."""
     if not bundle.aoti:
         raise BadInputError(f"{bundle.path} has no AOTInductor package: convert with --backend aoti")
+    checks = checks or PackageChecks(device_id)
     problems = []
     for kind in ("cuda", "cpu") if device == "auto" else (device,):
         for entry in (e for e in bundle.aoti if e["device"] == kind):
-            problem = package_problem_here(entry, device_id)
+            problem = checks.problem(entry)
             if problem is None:
                 return entry
             problems.append(problem)
@@ -38,23 +40,26 @@ def runnable_entry(bundle: Bundle, device: str, device_id: int = 0) -> dict:
 
 def load_aoti(bundle: Bundle, entry: dict | None = None, device_id: int = 0, *, verify: bool = True,
               trust_native: bool = False, cuda_graph: bool | None = None, notes: list[str] | None = None,
-              allow_unvalidated: bool = False, packages: str = "both") -> AotiRunner:
-    """The bundle's packages of ``entry``'s device (default: the first that runs here, cuda first) on
-    ``device_id``, as one runner. ``cuda_graph`` (None: each package's manifest value) replays
-    cuda packages as CUDA graphs; ``packages`` keeps the static or dynamic ones only (tune compares them)."""
+              allow_unvalidated: bool = False, packages: str = "both", device: str = "auto",
+              checks: PackageChecks | None = None) -> AotiRunner:
+    """The bundle's packages of ``entry``'s device (default: the first for ``device`` that runs here,
+    cuda first) on ``device_id``, as one runner. ``cuda_graph`` (None: each package's manifest value)
+    replays cuda packages as CUDA graphs; ``packages`` keeps the static or dynamic ones only (tune
+    compares them); ``checks``: what the caller found of the packages in this load."""
     if packages not in PACKAGE_CHOICES:
         raise BadInputError(f"packages={packages!r}: use one of {', '.join(PACKAGE_CHOICES)}")
-    entry = entry or runnable_entry(bundle, "auto", device_id)
-    problem = package_problem_here(entry, device_id)
+    checks = checks or PackageChecks(device_id)
+    entry = entry or runnable_entry(bundle, device, device_id, checks)
+    problem = checks.problem(entry)
     if problem:
         raise EnvironmentProblem(f"cannot run {entry['file']} here: {problem}")
     notes, device = list(notes or []), entry["device"]
-    chosen = [e for e in bundle.aoti if e["device"] == device and _kept(e, packages)]
+    chosen = packages_of(bundle, device, packages)
     if not chosen:
         raise BadInputError(f"{bundle.path} has no {packages} AOTInductor package for {device}: use packages='both'")
     loaded = []
     for candidate in chosen:
-        problem = package_problem_here(candidate, device_id)
+        problem = checks.problem(candidate)
         if problem:
             notes.append(f"{candidate['file']} left out: {problem}")
             continue
@@ -69,5 +74,7 @@ def load_aoti(bundle: Bundle, entry: dict | None = None, device_id: int = 0, *, 
     return runner
 
 
-def _kept(entry: dict, packages: str) -> bool:
-    return packages == "both" or (packages == "static") == is_static(entry)
+def packages_of(bundle: Bundle, device: str, packages: str = "both") -> list[dict]:
+    """The bundle's package entries for ``device``: all, or the static or the dynamic ones only."""
+    return [e for e in bundle.aoti
+            if e["device"] == device and (packages == "both" or (packages == "static") == is_static(e))]

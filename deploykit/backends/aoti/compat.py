@@ -63,3 +63,16 @@ def package_problem_here(entry: Mapping, device_id: int = 0) -> str | None:
 
     gpus = cuda_gpus(device_id) if entry["device"] == "cuda" else ()
     return package_problem(entry, torch.__version__, gpus, cpu_isas() if entry["device"] == "cpu" else [])
+
+
+class PackageChecks:
+    """``package_problem_here`` on GPU ``device_id`` once per package file: choosing the entry, the
+    loader and each package it loads (and tune's candidates) ask about the same packages in one load."""
+
+    def __init__(self, device_id: int = 0):
+        self.device_id, self._problems = device_id, {}
+
+    def problem(self, entry: Mapping) -> str | None:
+        if entry["file"] not in self._problems:
+            self._problems[entry["file"]] = package_problem_here(entry, self.device_id)
+        return self._problems[entry["file"]]

@@ -103,6 +103,20 @@ def collect_feeds(feeds, named: Mapping, specs: list[dict]) -> dict[str, Feed]:
     return result
 
 
+def given_batch(feeds, named: Mapping, specs: list[dict]) -> int | None:
+    """The batch of a call's first input (1 for a scalar), read without checking or copying it, for a
+    runner that hands the call on to one that checks it; None where that input is not given."""
+    if feeds is not None and not isinstance(feeds, Mapping):
+        value = feeds
+    else:
+        value = {**(feeds or {}), **named}.get(specs[0]["name"])
+    if value is None:
+        return None
+    interface = getattr(value, "__cuda_array_interface__", None)
+    shape = interface["shape"] if interface is not None else np.shape(value)
+    return int(shape[0]) if len(shape) else 1
+
+
 def describe_inputs(specs: list[dict]) -> str:
     return ", ".join(f"{s['name']} ({s['dtype']}, {'x'.join(map(str, s['shape']))})" for s in specs)
 
