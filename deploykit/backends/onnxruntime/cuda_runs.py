@@ -8,7 +8,7 @@ orders that stream after the caller's current stream and the caller's after it w
 ONNX Runtime is told not to synchronise at the end of a run, so nothing waits for the whole
 device and outputs are ready for whatever the caller queues next on its stream.
 
-A plan's first ``CAPTURE_RUNS`` runs may capture its graph, so they hold the process's GPU lock
+A plan's first ``CAPTURE_RUNS`` runs in a thread may capture its graph, so they hold the process's GPU lock
 alone (``backends.base.capture``); later runs share it.
 
 Needs torch (its allocator, streams and events); without torch the runner binds pointers and
@@ -17,7 +17,9 @@ lets ONNX Runtime synchronise (``OnnxRuntimeRunner``).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 
 import numpy as np
 
@@ -26,7 +28,8 @@ from deploykit.backends.base.feeds import Feed, numpy_dtype
 from deploykit.backends.base.memory import TorchMemory
 
 #: ONNX Runtime's CUDA provider runs a new graph id uncaptured (one or two runs, by version, so its
-#: arena has allocated everything) and captures it on the run after.
+#: arena has allocated everything) and captures it on the run after. It keeps graphs per calling
+#: thread, so a plan's runs are counted per thread.
 CAPTURE_RUNS = 3
 
 
@@ -41,7 +44,7 @@ class ShapePlan:
     output_shapes: list[tuple[int, ...]]
     inputs: dict | None = None
     outputs: list | None = None
-    runs: int = 0
+    runs: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # thread id -> runs
 
 
 class CudaRuns:
@@ -71,14 +74,14 @@ class CudaRuns:
                 plan = self.plans[key] = None if None in shapes else self._plan(given, shapes)
             if plan is None:
                 return None
-            plan.runs += 1
+            plan.runs[threading.get_ident()] += 1
             return self._run(plan, given)
 
     def _may_capture(self, key: tuple) -> bool:
         if not self.graphs or key not in self.plans:
             return self.graphs
         plan = self.plans[key]
-        return plan is not None and plan.runs < CAPTURE_RUNS
+        return plan is not None and plan.runs[threading.get_ident()] < CAPTURE_RUNS
 
     def _run(self, plan: ShapePlan, given: dict[str, Feed]) -> list:
         torch, stream = self.torch, self.stream
