@@ -6,14 +6,13 @@ settings, each replayed as a CUDA graph the way deploykit's runner replays it.
     python3 benchmarks/probe_aoti_configs.py --out $OUT [--model resnet50] [--batch 32] [--precision fp32]
 
 Writes probe_aoti_configs.md / .json to --out: per variant, compile seconds and the median of
-the per-round median ms. GPU only.
+the per-round median ms (deploykit.tuning.timing's interleaved rounds, as bench times). GPU only.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 import torchvision
 
 from deploykit.backends.aoti.runner import CudaGraph
-from deploykit.tuning.timing import bench_stream, call_timer
+from deploykit.tuning.timing import Budget, bench_stream, interleave, round_stats
 
 #: variant -> (inductor configs, channels-last model and input)
 VARIANTS = {
@@ -49,18 +48,6 @@ def reduce_overhead_step(model, example):
     return lambda: compiled(example)
 
 
-def interleaved(steps: dict, rounds: int, calls: int) -> dict[str, float]:
-    """Median over rounds of each step's per-round median ms; the order rotates each round."""
-    timer, names, medians = call_timer("cuda"), list(steps), {name: [] for name in steps}
-    for step in steps.values():
-        for _ in range(10):
-            step()
-    for index in range(rounds):
-        for name in names[index % len(names):] + names[:index % len(names)]:
-            medians[name].append(statistics.median(timer(steps[name]) * 1e3 for _ in range(calls)))
-    return {name: statistics.median(values) for name, values in medians.items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -83,15 +70,23 @@ def main() -> None:
         compile_s["reduce-overhead"] = time.perf_counter() - start
         for name, (configs, channels_last) in VARIANTS.items():
             start = time.perf_counter()
-            steps[name] = aoti_step(model, example, configs, channels_last, args.out, name.replace(" ", "_"))
+            try:
+                steps[name] = aoti_step(model, example, configs, channels_last, args.out, name.replace(" ", "_"))
+            except Exception as error:  # noqa: BLE001 - one variant failing must not end the probe
+                print(f"{name}: {error!r:.300}", flush=True)
+                continue
             compile_s[name] = time.perf_counter() - start
             print(f"{name}: compiled in {compile_s[name]:.0f} s", flush=True)
-        ms = interleaved(steps, args.rounds, args.calls)
-    rows = [f"| {name} | {compile_s[name]:.0f} | {ms[name]:.3f} | {ms['reduce-overhead'] / ms[name]:.2f} |" for name in steps]
+        budget = Budget(device="cuda", iterations=args.rounds * args.calls, rounds=args.rounds, max_seconds=30)
+        timed = dict(zip(steps, interleave(list(steps.values()), budget)))
+    failed = {name: repr(result.error) for name, result in timed.items() if result.error is not None}
+    ms = {name: round_stats(result.rounds)["p50_ms"] for name, result in timed.items() if result.error is None}
+    rows = [f"| {name} | {compile_s[name]:.0f} | {ms[name]:.3f} | {ms['reduce-overhead'] / ms[name]:.2f} |"
+            if name in ms else f"| {name} | {compile_s[name]:.0f} | failed: {failed[name][:80]} | – |" for name in steps]
     table = "\n".join([f"{args.model} {args.precision} batch {args.batch}, {torch.cuda.get_device_name()}, torch {torch.__version__}",
                        "", "| variant | compile s | p50 ms | reduce-overhead / variant |", "| --- | --- | --- | --- |", *rows])
     (args.out / "probe_aoti_configs.md").write_text(table + "\n")
-    (args.out / "probe_aoti_configs.json").write_text(json.dumps({"ms": ms, "compile_s": compile_s, "args": vars(args)},
+    (args.out / "probe_aoti_configs.json").write_text(json.dumps({"ms": ms, "failed": failed, "compile_s": compile_s, "args": vars(args)},
                                                                  default=str, indent=1))
     for package in args.out.glob("*.pt2"):
         package.unlink()
