@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +118,36 @@ def test_cuda_runner_replays_a_graph_per_batch_size_and_matches_the_cpu(bundles)
             assert got[name].is_cuda
             np.testing.assert_allclose(got[name].cpu().numpy(), expected, rtol=1e-4, atol=1e-5)
     assert len(runner.cuda_runs.plans) == 3
+
+
+def test_two_runners_capturing_in_two_threads_at_once_both_match_the_cpu(bundles):
+    """Two sessions of one process capture CUDA graphs at the same time (serve's instances on one GPU):
+    ONNX Runtime captures in CUDA's global mode, so without backends.base.capture's lock one
+    capture breaks the other (CUDA errors 900/901)."""
+    cpu = deploykit.load(bundles / "fp32", device="cpu")
+    runners = [deploykit.load(bundles / "fp32", device="cuda") for _ in range(2)]
+    batches = (1, 8, 3, 1, 8, 3, 5, 1)
+    feeds = {batch: random_inputs(cpu.inputs, batch, seed=batch)["features"] for batch in batches}
+    start, errors = threading.Barrier(len(runners), timeout=60), []
+
+    def serve(runner):
+        try:
+            start.wait()
+            for _ in range(3):
+                for batch in batches:
+                    got = runner(features=torch.from_numpy(feeds[batch]).cuda())
+                    for name, expected in cpu(features=feeds[batch]).items():
+                        np.testing.assert_allclose(got[name].cpu().numpy(), expected, rtol=1e-4, atol=1e-5)
+        except Exception as error:  # noqa: BLE001 - reported by the test thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=serve, args=(runner,)) for runner in runners]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors[0]
+    assert all(len(runner.cuda_runs.plans) == 4 for runner in runners)
 
 
 def test_outputs_handed_out_are_not_overwritten_by_the_next_replay(bundles):
