@@ -90,4 +90,5 @@ def _validation(state: ConversionState) -> dict:
         "batch_sizes": state.batch_sizes,
         "max_abs": {o.name: o.metrics.get("max_abs") for o in final.runs[-1].outputs},
         "inconclusive": final.inconclusive,
+        "tolerances": list(state.options.tolerances),  # tune and validate judge by these again
     }

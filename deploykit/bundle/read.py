@@ -56,6 +56,11 @@ class Bundle:
         return next((e for e in self.manifest.get("custom_op_libraries", []) if e["runtime"] == "onnxruntime"), None)
 
     @property
+    def tolerances(self) -> list[str]:
+        """The --tolerance texts the bundle was validated with (older bundles: none recorded)."""
+        return list(self.manifest.get("validation", {}).get("tolerances", []))
+
+    @property
     def passed(self) -> bool:
         return bool(self.manifest.get("validation", {}).get("passed"))
 

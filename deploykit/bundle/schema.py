@@ -108,6 +108,7 @@ class AotiPackage(Part):
     batch: BatchRange
     precision: Literal["fp32", "fp16", "bf16"]
     cuda_graph: bool = False
+    inductor_configs: dict[str, bool | int | float | str] = {}  # what aoti_compile_and_package was given
     validated: bool = False
 
 
@@ -124,6 +125,8 @@ class Validation(Part):
     max_abs: dict[str, float | None] = {}
     #: outputs that do not depend on the input -> why (matching them proved nothing)
     inconclusive: dict[str, str] = {}
+    #: the conversion's --tolerance texts ([OUTPUT:]KEY=VALUE,...); none: the precision's defaults
+    tolerances: list[str] = []
 
 
 class TunedChoice(Part):

@@ -190,6 +190,8 @@ trust_bundle_option = click.option(
     help="Load the bundle's native code (op library, engine plugins) even where this machine's deploykit "
          "did not build it.")
 
-#: --tolerance, repeatable: convert's validation rules overridden (convert, validate).
+#: --tolerance, repeatable: convert's validation rules overridden (convert; validate and tune apply
+#: it after the tolerances the bundle was converted with, which its manifest records).
 tolerance_option = click.option("--tolerance", "tolerances", multiple=True, metavar="[OUTPUT:]KEY=VALUE,...",
-                                help="Override atol, rtol, min_cosine or min_top1, for all outputs or one.")
+                                help="Override atol, rtol, min_cosine or min_top1, for all outputs or one (validate, "
+                                     "tune: after the bundle's own).")

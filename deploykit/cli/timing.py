@@ -12,7 +12,7 @@ import click
 
 from deploykit.cli._common import (
     BUNDLE, EXISTING_FILE, allow_failed_option, combine, console, echo_json, handle_errors, json_option,
-    parse_keys, stage_printer, trust_bundle_option, verbose_option,
+    parse_keys, stage_printer, tolerance_option, trust_bundle_option, verbose_option,
 )
 
 #: --model, --factory and --trust-pickle: the PyTorch model behind the bundle.
@@ -179,12 +179,13 @@ def _print_bench(result: dict, folder: Path) -> None:
               help="Stop timing one candidate and batch size after this long.")
 @_rounds_option
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@tolerance_option
 @trust_bundle_option
 @allow_failed_option("Tune a bundle whose validation failed.")
 @json_option("Print the tuning table on stdout.")
 @verbose_option()
 def tune(bundle, model, factory, trust_pickle, batches, device, warmup, iterations, max_seconds, rounds, seed,
-         trust_bundle, allow_failed, as_json, verbose):
+         tolerances, trust_bundle, allow_failed, as_json, verbose):
     """Time every backend that runs BUNDLE here, check its outputs, record the fastest per batch size.
 
     deploykit.load(BUNDLE) then runs that choice on a machine with the same device and GPU
@@ -203,7 +204,7 @@ def tune(bundle, model, factory, trust_pickle, batches, device, warmup, iteratio
         sizes = benchmark.batch_plan(opened, sizes or opened.manifest.get("validation", {}).get("batch_sizes"))
         settings = TuneSettings(device=benchmark.resolve_device(device), warmup=warmup, iterations=iterations,
                                 max_seconds=max_seconds, rounds=rounds, device_id=runtime.parse_device(device)[1],
-                                seed=seed, trust_native=trust_bundle)
+                                seed=seed, trust_native=trust_bundle, tolerances=tolerances)
         with stage_printer(quiet=as_json)("Timing what runs here"):
             source = benchmark.load_source(opened, model, factory, trust_pickle)
             table = tune_bundle(opened, source.loaded, settings, sizes, source.reason)

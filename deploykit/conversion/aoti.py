@@ -26,6 +26,10 @@ from deploykit.validation.inputs import random_feeds
 #: ``--aoti-shapes``: one package over the batch range, one per validated batch size, or both.
 SHAPES = ("dynamic", "static", "both")
 TORCH_TYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: inductor settings per package device, recorded in each manifest entry. On cuda, freezing lets
+#: inductor fold the weights as constants, so convolutions run channels-last without converting
+#: their weights on every call (resnet50 fp32 batch 32 on the H200: benchmarks/probe_aoti_configs.py).
+INDUCTOR_CONFIGS = {"cuda": {"freezing": True}, "cpu": {}}
 _TORCHSCRIPT = "TorchScript cannot be compiled by AOTInductor (it compiles torch.export programs)"
 
 
@@ -95,7 +99,7 @@ def build_aoti_stage(loaded: LoadedModel, specs: list[InputSpec], io: tuple[list
         name = f"aoti-{device}-{'dynamic' if kind == 'dynamic' else 'b' + str(batch_range.min)}.pt2"
         path = Path(folder.name) / name
         example = _example(specs, io[0], batch_range, device)
-        _compile(model, example, batch_range if kind == "dynamic" else None, path)
+        _compile(model, example, batch_range if kind == "dynamic" else None, path, INDUCTOR_CONFIGS[device])
         entry = _entry(name, device, batch_range, precision)
         package = load_package(path, entry, cuda_graph=device == "cuda")
         entry["cuda_graph"] = package.cuda_graph = device == "cuda" and _graph_replays(package, example)
@@ -146,10 +150,11 @@ def _example(specs: list[InputSpec], inputs: list[dict], batch: BatchRange, devi
             for spec, io in zip(specs, inputs)]
 
 
-def _compile(model: _AsDeployed, example: list[torch.Tensor], dynamic: BatchRange | None, path: Path) -> None:
+def _compile(model: _AsDeployed, example: list[torch.Tensor], dynamic: BatchRange | None, path: Path,
+             configs: dict) -> None:
     program = _export(model, example, dynamic)
     try:
-        torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=dict(configs))
     except Exception as error:  # inductor raises many kinds: toolchain, lowering, codegen
         raise _compile_error(error) from error
 
@@ -191,7 +196,7 @@ def _entry(name: str, device: str, batch: BatchRange, precision: str) -> dict:
     """The manifest entry: what the package needs to load (torch, GPU architecture or CPU ISA)."""
     entry = {"file": name, "device": device, "torch": torch.__version__, "cuda_arch": None, "gpu": None,
              "cpu_isa": None, "batch": batch.to_json(), "precision": precision, "cuda_graph": False,
-             "validated": False}
+             "inductor_configs": dict(INDUCTOR_CONFIGS[device]), "validated": False}
     if device == "cuda":
         major, minor = torch.cuda.get_device_capability()
         entry.update(cuda_arch=f"{major}.{minor}", gpu=torch.cuda.get_device_name())

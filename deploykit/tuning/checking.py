@@ -3,7 +3,8 @@
 At conversion the reference is the in-memory PyTorch model with the conversion's tolerances. For
 ``deploykit tune BUNDLE`` it is the source model when it loads, else the bundle's own validated
 graph on ONNX Runtime's CPU provider (the fp32 reference graph of a reduced-precision bundle),
-judged with the bundle precision's default tolerances. A candidate is compared with the same
+judged with the tolerances the bundle was validated with (its precision's defaults and the
+conversion's ``--tolerance``, recorded in the manifest), then tune's own ``--tolerance``. A candidate is compared with the same
 reference run on the same inputs as every other one.
 """
 
@@ -15,7 +16,7 @@ import numpy as np
 
 from deploykit.backends.onnxruntime.runner import OnnxRuntimeRunner
 from deploykit.bundle.read import Bundle
-from deploykit.validation.compare import Tolerance, parse_tolerances
+from deploykit.validation.compare import Tolerance, bundle_tolerances
 from deploykit.validation.validate import Remembered, validate
 
 
@@ -28,25 +29,21 @@ class Reference:
     tolerances: dict[str, Tolerance]
 
 
-def source_reference(loaded, bundle: Bundle) -> Reference:
+def source_reference(loaded, bundle: Bundle, overrides: tuple[str, ...] = ()) -> Reference:
     """The source PyTorch model (fp32, CPU), its outputs named as the bundle's."""
     from deploykit.backends.torch.runner import TorchRunner
 
     runner = TorchRunner(loaded, [spec["name"] for spec in bundle.inputs])
     runner.output_names = [spec["name"] for spec in bundle.outputs]
-    return Reference(Remembered(runner), "source PyTorch model (fp32, CPU)", default_tolerances(bundle))
+    return Reference(Remembered(runner), "source PyTorch model (fp32, CPU)", bundle_tolerances(bundle, overrides))
 
 
-def graph_reference(bundle: Bundle) -> Reference:
+def graph_reference(bundle: Bundle, overrides: tuple[str, ...] = ()) -> Reference:
     """The bundle's validated graph on ONNX Runtime's CPU provider, its ONNX function fallbacks for
     our ops; a reduced-precision bundle's fp32 reference graph."""
     name = bundle.manifest.get("reference_model") or bundle.model
     runner = CastingRunner(OnnxRuntimeRunner.from_model(bundle.file(name)))
-    return Reference(Remembered(runner), f"{name} on ONNX Runtime, CPU (no source model)", default_tolerances(bundle))
-
-
-def default_tolerances(bundle: Bundle) -> dict[str, Tolerance]:
-    return parse_tolerances([], bundle.precision, [spec["name"] for spec in bundle.outputs])
+    return Reference(Remembered(runner), f"{name} on ONNX Runtime, CPU (no source model)", bundle_tolerances(bundle, overrides))
 
 
 class CastingRunner:

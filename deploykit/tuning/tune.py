@@ -35,12 +35,14 @@ class TuneSettings(Budget):
     device_id: int = 0
     seed: int = 0
     trust_native: bool = False
+    tolerances: tuple[str, ...] = ()  # --tolerance: applied after the bundle's recorded ones
 
 
 def tune_bundle(bundle: Bundle, loaded, settings: TuneSettings, batches: list[int], why_no_source: str = "") -> dict:
     """``deploykit tune``: against the source model when it loaded (``loaded``), else against the
     bundle's validated graph on ONNX Runtime's CPU provider; random inputs at each of ``batches``."""
-    reference = source_reference(loaded, bundle) if loaded is not None else graph_reference(bundle)
+    reference = (source_reference(loaded, bundle, settings.tolerances) if loaded is not None
+                 else graph_reference(bundle, settings.tolerances))
     feed_sets = [random_inputs(bundle.inputs, batch, settings.seed + index) for index, batch in enumerate(batches)]
     table = tune(bundle, reference, feed_sets, settings)
     if loaded is None and why_no_source:

@@ -17,7 +17,7 @@ import numpy as np
 
 from deploykit import runtime
 from deploykit.backends.torch.runner import TorchRunner
-from deploykit.validation.compare import parse_tolerances
+from deploykit.validation.compare import bundle_tolerances
 from deploykit.errors import BadInputError, verdict
 from deploykit.conversion.loading import load_model
 from deploykit.validation.validate import CandidateValidation, run_checked, validate
@@ -63,8 +63,8 @@ def validate_bundle(bundle: Path, model: Path, *, factory: str | None = None, tr
     reference = TorchRunner(load_model(model, factory, trust_pickle), runner.input_names)
     feed_sets = _feed_sets(runner.inputs, feeds_path, batches, seed, runner.notes)
     _check_outputs(reference, feed_sets[0], runner.output_names, model)
-    precision = runner.bundle.manifest.get("precision", "fp32")
-    limits = parse_tolerances(list(tolerances), precision, runner.output_names)
+    precision = runner.bundle.precision
+    limits = bundle_tolerances(runner.bundle, tolerances)
     label = f"bundle ({precision})"
     [result] = validate(reference, {label: runner}, feed_sets, limits)
     inputs = str(feeds_path) if feeds_path else f"seeded random (seed {seed})"

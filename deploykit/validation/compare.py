@@ -81,6 +81,12 @@ def parse_tolerances(texts: list[str], precision: str, output_names: list[str]) 
     return per_output
 
 
+def bundle_tolerances(bundle, overrides=()) -> dict[str, Tolerance]:
+    """Per output of a converted ``Bundle``: the tolerances it was validated with (its precision's,
+    then the conversion's --tolerance texts its manifest records), then ``overrides``."""
+    return parse_tolerances([*bundle.tolerances, *overrides], bundle.precision, [spec["name"] for spec in bundle.outputs])
+
+
 @dataclasses.dataclass
 class OutputComparison:
     """Metrics of one output, its verdict, and error samples for the report's plot."""

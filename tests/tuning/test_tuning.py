@@ -137,6 +137,19 @@ def test_a_wrong_candidate_fails_its_check_and_is_not_chosen(tmp_path):
     assert not candidate["passed"] and candidate["p50_ms"] > 0 and "exceeds" in candidate["reason"]
 
 
+def test_candidates_are_judged_by_the_bundles_recorded_tolerances_then_tunes(tmp_path):
+    """The conversion's --tolerance (in the manifest) applies, and tune's own --tolerance after it."""
+    bundle = copy_bundle("tabular", tmp_path)
+    edit_manifest(bundle, lambda m: m["validation"].update(tolerances=["atol=0,rtol=0,min_cosine=1"]))
+    args = ["tune", bundle, "--factory", "model_zoo:tabular", "--device", "cpu", "--batch", "2", "--json", *FAST]
+    strict = cli(*args)
+    assert strict.returncode == 0, strict.stderr
+    assert json.loads(strict.stdout)["choices"] == []  # no candidate is bit-exact to PyTorch
+    loosened = cli(*args, "--tolerance", "atol=1e-4,rtol=1e-3,min_cosine=0.99999")
+    assert loosened.returncode == 0, loosened.stderr
+    assert [choice["batch"] for choice in json.loads(loosened.stdout)["choices"]] == [2]
+
+
 # --------------------------------------------------------------------------- load
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import model_zoo
+from deploykit import runtime
 from deploykit.bundle.format import sha256_of
 from deploykit.testing import randomize_batch_norm
 from deploykit_cli import run_deploykit
@@ -107,5 +108,9 @@ def test_a_bundle_that_failed_conversion_needs_allow_failed(work):
     assert result.returncode == 1, result.stderr
     refused = deploykit(work, "validate", "failed", "tabular.pt", "--factory", "model_zoo:tabular")
     assert refused.returncode == 1 and "--allow-failed" in refused.stderr
-    allowed = deploykit(work, "validate", "failed", "tabular.pt", "--factory", "model_zoo:tabular", "--allow-failed")
-    assert allowed.returncode == 0, allowed.stderr  # the default tolerances pass: only the conversion's were impossible
+    failed = ["validate", "failed", "tabular.pt", "--factory", "model_zoo:tabular", "--allow-failed"]
+    again = deploykit(work, *failed)
+    assert again.returncode == 1, again.stderr  # judged by the conversion's tolerances, which the manifest records
+    assert runtime.open_bundle(work / "failed").tolerances == ["atol=0,rtol=0,min_cosine=1"]
+    loosened = deploykit(work, *failed, "--tolerance", "atol=1e-4,rtol=1e-3,min_cosine=0.99999")
+    assert loosened.returncode == 0, loosened.stderr  # a --tolerance of validate's applies after the bundle's
