@@ -44,3 +44,23 @@ def test_serve_load_over_client_counts_and_the_summary(tmp_path):
     assert [row[4] for row in rows] == ["1.00"] * 4  # requests/s against the one-GPU run at that many clients
     assert [line.split(" | ")[1] for line in summary.stdout.splitlines() if line.startswith("| GPU 0 alone |")] == [
         "1", "4"]
+
+
+def test_an_answer_is_wrong_only_outside_the_bundles_tolerances():
+    """A row run in a padded batch may round differently from the same row alone (fp16 on a GPU):
+    that is not exact but not wrong; an error beyond the bundle's tolerance is wrong."""
+    import numpy as np
+
+    from deploykit.validation.compare import Tolerance
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import serve_load
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    expected = np.linspace(-1, 1, 10, dtype=np.float16).reshape(1, 10)
+    case = serve_load.Case({}, {"y": expected}, {"y": Tolerance.for_precision("fp16")})
+    rounded = {"y": expected + np.float16(1e-3)}
+    assert not serve_load.is_exact(rounded, case) and serve_load.within_tolerance(rounded, case)
+    assert not serve_load.within_tolerance({"y": expected + np.float16(0.5)}, case)
+    assert serve_load.is_exact({"y": expected.copy()}, case)
