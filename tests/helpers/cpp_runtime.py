@@ -58,4 +58,20 @@ def configure_and_build(source: Path, build: Path, *defines: str) -> str:
 
 
 def run_cpp(executable: Path | str, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([str(executable), *map(str, args)], capture_output=True, text=True, timeout=120)
+    """deploykit-run with ``args``; if a signal kills it, its stderr gets a backtrace where a debugger is here."""
+    command = [str(executable), *map(str, args)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    if result.returncode < 0:
+        result.stderr += backtrace(command)
+    return result
+
+
+def backtrace(command: list[str]) -> str:
+    """The stack where ``command`` crashes, from gdb or cuda-gdb (the GPU machine has only the latter)."""
+    debugger = shutil.which("gdb") or shutil.which("cuda-gdb")
+    if debugger is None:
+        return "\n(no gdb or cuda-gdb here for a backtrace)"
+    traced = subprocess.run([debugger, "-batch", "-ex", "run", "-ex", "bt 30", "--args", *command],
+                            capture_output=True, text=True, timeout=300)
+    frames = traced.stdout[max(traced.stdout.find("\n#0 "), 0):]  # the signal's line, then the innermost frame first
+    return "\n--- backtrace (" + Path(debugger).name + ") ---\n" + frames[:6000] + traced.stderr[-1000:]
