@@ -65,7 +65,7 @@ def test_manifest_lists_each_package(bundle):
     for entry in entries.values():
         assert entry["device"] == "cpu" and entry["torch"] == torch.__version__ and entry["precision"] == "fp32"
         assert entry["cpu_isa"] in compat.cpu_isas() and entry["cuda_arch"] is None
-        assert entry["validated"] is True and entry["cuda_graph"] is False
+        assert entry["validated"] is True and entry["cuda_graph"] is False and entry["inductor_configs"] == {}
     native = {entry["file"]: entry for entry in manifest["native"]}
     for name in entries:
         assert native[name]["kind"] == trust.AOTI_PACKAGE == "aoti-package"

@@ -51,7 +51,7 @@ def test_cuda_packages_for_this_gpu(bundle):
     for entry in entries.values():
         assert entry["device"] == "cuda" and entry["cuda_arch"] == f"{major}.{minor}"
         assert entry["gpu"] == torch.cuda.get_device_name() and entry["torch"] == torch.__version__
-        assert entry["validated"] is True
+        assert entry["validated"] is True and entry["inductor_configs"] == {"freezing": True}
         assert entry["cuda_graph"] is True  # a conv, a norm and a linear layer capture
     assert {n["kind"] for n in manifest["native"]} == {"aoti-package"}
 
