@@ -61,9 +61,10 @@ def _print_info(info: dict) -> None:
     console.print(f"passes: {'; '.join(changed) or 'none changed the exported graph'}", soft_wrap=True)
     validation = info["validation"]
     worst = ", ".join(f"{name} {value:.3g}" for name, value in validation.get("max_abs", {}).items())
+    tolerances = " ".join(f"--tolerance {text}" for text in validation.get("tolerances", [])) or "the defaults"
     console.print(f"validation at conversion: {'passed' if validation.get('passed') else 'FAILED'} on "
-                  f"{validation.get('backend')}, batch sizes {validation.get('batch_sizes')}, max abs {worst}",
-                  soft_wrap=True)
+                  f"{validation.get('backend')}, batch sizes {validation.get('batch_sizes')}, max abs {worst}; "
+                  f"tolerances: {tolerances}", soft_wrap=True)
     for name in validation.get("inconclusive", {}):
         console.print(f"  [yellow]inconclusive[/] for output {name}: it does not depend on the input", soft_wrap=True)
     if info["tuning"]:

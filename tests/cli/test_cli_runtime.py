@@ -158,6 +158,7 @@ def test_inspect_summarises_the_manifest(tabular):
     assert set(info["files"]) == set(open_bundle(tabular).manifest["files"])
     table = cli("inspect", tabular)
     assert "1..4x13" in table.stderr and "MatMulRelu" in table.stderr and "sha256 ok" in table.stderr
+    assert "tolerances: the defaults" in table.stderr
 
 
 def test_inspect_names_a_changed_file_with_exit_1(tmp_path):

@@ -112,5 +112,6 @@ def test_a_bundle_that_failed_conversion_needs_allow_failed(work):
     again = deploykit(work, *failed)
     assert again.returncode == 1, again.stderr  # judged by the conversion's tolerances, which the manifest records
     assert runtime.open_bundle(work / "failed").tolerances == ["atol=0,rtol=0,min_cosine=1"]
+    assert "tolerances: --tolerance atol=0,rtol=0,min_cosine=1" in deploykit(work, "inspect", "failed").stderr
     loosened = deploykit(work, *failed, "--tolerance", "atol=1e-4,rtol=1e-3,min_cosine=0.99999")
     assert loosened.returncode == 0, loosened.stderr  # a --tolerance of validate's applies after the bundle's
