@@ -37,12 +37,16 @@ from deploykit.cli._common import (
 @click.option("--token-file", type=EXISTING_FILE, help="Require 'Authorization: Bearer <the file's token>' "
                                                       "(health endpoints stay open).")
 @click.option("--allow-nan", is_flag=True, help="Pass NaN and infinite inputs to the model instead of refusing them.")
+@click.option("--warmup-runs", type=click.IntRange(min=0), default=3, show_default=True,
+              help="Runs of random inputs per instance at each bucket size before the server reports ready "
+                   "(the first runs search algorithms and capture CUDA graphs); 0: none.")
 @click.option("--no-access-log", is_flag=True, help="Do not log one JSON line per request.")
 @allow_failed_option("Serve a bundle whose validation failed.")
 @trust_bundle_option
 @verbose_option()
 def serve(bundles, host, port, backend, devices, instances, max_batch, max_delay_ms, buckets, max_queue,
-          max_request_mb, timeout_s, token_file, allow_nan, no_access_log, allow_failed, trust_bundle, verbose):
+          max_request_mb, timeout_s, token_file, allow_nan, warmup_runs, no_access_log, allow_failed, trust_bundle,
+          verbose):
     """Serve BUNDLES over HTTP with the KServe v2 / Open Inference Protocol and dynamic batching.
 
     Each model is named after its bundle's folder. SIGTERM or Ctrl-C stops accepting requests,
@@ -58,7 +62,7 @@ def serve(bundles, host, port, backend, devices, instances, max_batch, max_delay
         token = _read_token(token_file) if token_file else None
         options = ServeOptions(backend=backend, devices=tuple(devices) or ("auto",), instances=instances,
                                max_batch=max_batch, buckets=buckets, allow_nan=allow_nan,
-                               trust_native=trust_bundle, allow_failed=allow_failed)
+                               trust_native=trust_bundle, allow_failed=allow_failed, warmup_runs=warmup_runs)
         models = load_models(list(bundles), options)
         limits = Limits(max_request_bytes=int(max_request_mb * (1 << 20)), max_queue=max_queue, timeout_s=timeout_s,
                         max_delay_ms=max_delay_ms, token=token)

@@ -59,8 +59,14 @@ def create_app(models: list[ServedModel], limits: Limits) -> FastAPI:
     async def lifespan(_app):
         for model in models:
             batchers[model.name] = Batcher(model, limits.max_delay_ms / 1e3, limits.max_queue, metrics)
-        state["ready"] = True
+
+        async def ready_once_warm():  # requests are queued meanwhile; only readiness waits
+            await asyncio.gather(*(asyncio.to_thread(b.wait_warm) for b in batchers.values()))
+            state["ready"] = True
+
+        warming = asyncio.create_task(ready_once_warm())
         yield
+        warming.cancel()
         state["ready"] = False
         await asyncio.gather(*(asyncio.to_thread(b.close) for b in batchers.values()))
         for model in models:

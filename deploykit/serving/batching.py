@@ -1,6 +1,8 @@
 """Dynamic batching: requests for one model wait in one queue; one worker thread per runner
 takes what fits in ``max_batch`` rows, waiting at most ``max_delay`` after the oldest request
 arrived, pads the rows up to a bucket size, runs once and splits the outputs back by request.
+Before its first request a worker warms its runner up (``ServedModel.warmup_sizes``) on its own
+thread, as ONNX Runtime keeps CUDA graphs per thread; ``wait_warm`` returns once all have.
 
 Threads, not the event loop: runners release the GIL while they compute (ONNX Runtime,
 TensorRT), so N instances run N batches at once while the loop keeps parsing requests.
@@ -18,6 +20,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from deploykit.backends.base.feeds import random_inputs
 from deploykit.errors import BadInputError
 from deploykit.serving.models import ServedModel
 from deploykit.serving.protocol import RequestError
@@ -42,8 +45,9 @@ class Batcher:
         self._rows = 0  # the rows in _queue, kept as it changes: workers ask on every wake-up
         self._ready = threading.Condition()
         self._closed = False
-        self._workers = [threading.Thread(target=self._work, args=(runner,), name=f"{model.name}-{i}", daemon=True)
-                         for i, runner in enumerate(model.runners)]
+        self._warm = [threading.Event() for _ in model.runners]
+        self._workers = [threading.Thread(target=self._work, args=(runner, warm), name=f"{model.name}-{i}", daemon=True)
+                         for i, (runner, warm) in enumerate(zip(model.runners, self._warm))]
         for worker in self._workers:
             worker.start()
 
@@ -77,10 +81,35 @@ class Batcher:
     def _queue_changed(self) -> None:
         self.metrics.queue_depth.labels(self.model.name).set(len(self._queue))
 
-    def _work(self, runner) -> None:
+    def wait_warm(self) -> None:
+        """Return once every worker has warmed its runner up (or failed to, which it logged)."""
+        for warm in self._warm:
+            warm.wait()
+
+    def _work(self, runner, warm: threading.Event) -> None:
+        try:
+            self._warm_up(runner)
+        finally:
+            warm.set()
         while (batch := self._take()) is not None:
             if batch:
                 self._run(runner, batch)
+
+    def _warm_up(self, runner) -> None:
+        model, started = self.model, time.perf_counter()
+        if not model.warmup_runs or not model.warmup_sizes:
+            return
+        try:
+            for size in model.warmup_sizes:
+                feeds = random_inputs(model.inputs, size, seed=0)
+                for _ in range(model.warmup_runs):
+                    runner.run(feeds)
+        except Exception:  # noqa: BLE001 - requests then get the runner's error; the server stays up
+            log.exception("%s (%s): the warm-up run failed", model.name, threading.current_thread().name)
+            return
+        sizes = ", ".join("static" if size is None else str(size) for size in model.warmup_sizes)
+        log.info("%s (%s): warmed up at batch %s in %.1f s", model.name, threading.current_thread().name, sizes,
+                 time.perf_counter() - started)
 
     def _take(self) -> list[Pending] | None:
         """The next batch (requests in arrival order, cancelled ones dropped); None once closed and drained."""

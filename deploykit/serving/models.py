@@ -28,6 +28,7 @@ class ServeOptions:
     allow_nan: bool = False
     trust_native: bool = False
     allow_failed: bool = False
+    warmup_runs: int = 3  # per instance and warm-up batch size, before the server says ready
 
 
 @dataclasses.dataclass
@@ -41,6 +42,10 @@ class ServedModel:
     max_batch: int  # rows per run; 1 when the bundle's batch is static
     buckets: list[int]  # the batch sizes runs are padded to; empty: run the rows as they come
     allow_nan: bool
+    #: each worker's runs before it takes requests: ``warmup_runs`` at each of ``warmup_sizes``
+    #: (None: the bundle's static shapes), so the first requests pay no algorithm search or CUDA graph capture
+    warmup_sizes: list[int | None] = dataclasses.field(default_factory=list)
+    warmup_runs: int = 0
 
     @property
     def runner(self):
@@ -118,14 +123,15 @@ def _load_model(path: Path, name: str, placements: list[str], options: ServeOpti
                     trust_native=options.trust_native) for place in placements]
     dynamic = batch_range(runners[0].inputs, runners[0].outputs)
     if dynamic is None:
-        return ServedModel(name, path, runners, placements, 1, [], options.allow_nan)
+        return ServedModel(name, path, runners, placements, 1, [], options.allow_nan, [None], options.warmup_runs)
     low, _, high = dynamic
     max_batch = options.max_batch or high
     if not low <= max_batch <= high:
         raise BadInputError(f"--max-batch {max_batch} is outside {name}'s batch range {low}..{high}: "
                             "choose one in it (or convert with a wider --batch)")
     buckets = choose_buckets(options.buckets, runners[0], low, max_batch)
-    return ServedModel(name, path, runners, placements, max_batch, buckets, options.allow_nan)
+    return ServedModel(name, path, runners, placements, max_batch, buckets, options.allow_nan,
+                       buckets or [max_batch], options.warmup_runs)
 
 
 def batch_range(inputs: list[dict], outputs: list[dict]) -> tuple[int, int, int] | None:

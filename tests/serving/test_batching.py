@@ -157,3 +157,55 @@ def test_queued_rows_follow_partial_takes_and_timed_out_requests():
     assert batcher.queued_rows == 0 and runner.started.empty()  # the timed-out request was dropped, not run
     for n, future in answered.items():
         np.testing.assert_array_equal(future.result(timeout=5)["y"], np.full((n, 2), 2 * n, np.float32))
+
+
+class RecordingRunner:
+    """Doubles its input and records each run's rows and thread; ``fail_rows``: raise on such a run."""
+
+    inputs = GatedRunner.inputs
+    outputs = [{"name": "y", "dtype": "float32", "shape": ["batch", 2]}]
+    device = "cpu"
+
+    def __init__(self, fail_rows: int | None = None):
+        self.runs, self.fail_rows = [], fail_rows
+
+    def run(self, feeds):
+        self.runs.append((len(feeds["x"]), threading.current_thread().name))
+        if len(feeds["x"]) == self.fail_rows:
+            raise RuntimeError("no kernel for this shape")
+        return {"y": feeds["x"] * 2}
+
+
+def test_each_worker_warms_its_runner_up_on_its_thread_before_requests():
+    runners = [RecordingRunner(), RecordingRunner()]
+    model = ServedModel("rec", Path("rec"), runners, ["cpu", "cpu"], max_batch=4, buckets=[2, 4], allow_nan=False,
+                        warmup_sizes=[2, 4], warmup_runs=3)
+    metrics = Metrics()
+    batcher = Batcher(model, max_delay_s=0, max_queue=8, metrics=metrics)
+    batcher.wait_warm()
+    for index, runner in enumerate(runners):
+        assert runner.runs == [(2, f"rec-{index}")] * 3 + [(4, f"rec-{index}")] * 3
+    answer = batcher.submit({"x": np.ones((1, 2), np.float32)}, 1).result(timeout=5)
+    batcher.close()
+    np.testing.assert_array_equal(answer["y"], np.full((1, 2), 2, np.float32))
+    samples = {s.name: s.value for s in metrics.batch_size.labels("rec").collect()[0].samples}
+    assert samples["deploykit_batch_size_count"] == 1  # warm-up runs are not counted as served
+
+
+def test_a_failed_warm_up_is_logged_and_the_worker_still_serves(caplog):
+    runner = RecordingRunner(fail_rows=4)
+    model = ServedModel("rec", Path("rec"), [runner], ["cpu"], max_batch=4, buckets=[], allow_nan=False,
+                        warmup_sizes=[4], warmup_runs=3)
+    batcher = Batcher(model, max_delay_s=0, max_queue=8, metrics=Metrics())
+    batcher.wait_warm()
+    assert runner.runs == [(4, "rec-0")]  # the first failure ends the warm-up
+    assert "rec (rec-0): the warm-up run failed" in caplog.text and "no kernel for this shape" in caplog.text
+    answer = batcher.submit({"x": np.ones((3, 2), np.float32)}, 3).result(timeout=5)
+    batcher.close()
+    assert answer["y"].shape == (3, 2)
+
+
+def test_loaded_models_warm_up_at_their_buckets():
+    assert (served().warmup_sizes, served().warmup_runs) == ([4], 3)  # a CPU: no buckets, the largest batch
+    assert served(buckets="validated").warmup_sizes == [1, 2, 4]
+    assert served(warmup_runs=0).warmup_runs == 0
