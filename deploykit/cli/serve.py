@@ -100,19 +100,22 @@ def export() -> None:
               help="dynamic_batching's max_queue_delay.")
 @click.option("--server-repo", default="/models", show_default=True,
               help="Where Triton sees REPO (the op library is named by that path).")
+@click.option("--warmup-runs", type=click.IntRange(min=0), default=3, show_default=True,
+              help="model_warmup: requests per batch size Triton runs before the model is ready; 0: none.")
 @click.option("--force", is_flag=True, help="Replace REPO/NAME when it exists.")
 @allow_failed_option("Export a bundle whose validation failed.")
 @trust_bundle_option
 @verbose_option()
-def triton(bundle, repo, name, platform, device, instances, max_delay_ms, server_repo, force, allow_failed,
-           trust_bundle, verbose):
+def triton(bundle, repo, name, platform, device, instances, max_delay_ms, server_repo, warmup_runs, force,
+           allow_failed, trust_bundle, verbose):
     """Write BUNDLE as REPO/NAME (config.pbtxt, 1/model.onnx or 1/model.plan, README.md) for Triton."""
     from deploykit.export.triton import export_triton
 
     with handle_errors(verbose):
         repo.mkdir(parents=True, exist_ok=True)
         result = export_triton(bundle, repo, name, platform=platform, max_delay_ms=max_delay_ms, instances=instances,
-                               device=device, server_repo=server_repo, trust_native=trust_bundle,
+                               device=device, server_repo=server_repo, warmup_runs=warmup_runs,
+                               trust_native=trust_bundle,
                                allow_failed=allow_failed, force=force)
     console.print(f"Wrote {result.model_dir} ({result.platform}): {', '.join(result.files)}", soft_wrap=True)
     console.print(f"Serve it with: {result.command}", soft_wrap=True)

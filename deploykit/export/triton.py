@@ -52,6 +52,22 @@ def model_config(name: str, platform: str, inputs: list[dict], outputs: list[dic
     return config
 
 
+def model_warmup(inputs: list[dict], sizes: list[int], runs: int, batched: bool) -> list[dict]:
+    """Triton's model_warmup: ``runs`` requests at each batch size before the model is ready, as
+    serve's --warmup-runs; float inputs random, others zeros (token ids must stay in range). Empty
+    where a dimension other than the batch is not fixed, as its data would have no size."""
+    configs = tensor_configs(inputs, batched)
+    if runs == 0 or any(d < 0 for config in configs for d in config["dims"]):
+        return []
+
+    def data(spec: dict, config: dict) -> dict:
+        fill = "random_data" if spec["dtype"].startswith(("float", "bfloat")) else "zero_data"
+        return {"key": spec["name"], "value": {"data_type": config["data_type"], "dims": config["dims"], fill: True}}
+
+    samples = [data(spec, config) for spec, config in zip(inputs, configs)]
+    return [{"name": f"batch_{size}", "batch_size": size, "count": runs, "inputs": samples} for size in sizes]
+
+
 def instance_groups(instances: int, gpus: list[int] | None) -> list[dict]:
     """Triton's instance_group, whose ``count`` is per listed GPU: GPUs that hold as many instances
     share a group (two on cuda:0 and one on cuda:1 are two groups)."""
@@ -108,7 +124,8 @@ class TritonExport:
 
 def export_triton(bundle_path: Path, repo: Path, name: str | None = None, *, platform: str = "onnxruntime",
                   max_delay_ms: float = 2.0, instances: int = 1, device: str = "cuda", server_repo: str = "/models",
-                  trust_native: bool = False, allow_failed: bool = False, force: bool = False) -> TritonExport:
+                  warmup_runs: int = 3, trust_native: bool = False, allow_failed: bool = False,
+                  force: bool = False) -> TritonExport:
     """Write ``repo/name`` for Triton. ``server_repo`` is where the repository is mounted in the Triton
     container (the op library is named by that path); native code goes in only as ``deploykit.load``
     would run it (made by this machine's deploykit, or ``trust_native``)."""
@@ -135,6 +152,9 @@ def export_triton(bundle_path: Path, repo: Path, name: str | None = None, *, pla
                         if dynamic and dynamic[0] <= b <= dynamic[2]})
     config = model_config(name, PLATFORMS[platform], bundle.inputs, bundle.outputs, max_batch, preferred,
                           max_delay_ms, instances, [device_id] * instances if kind == "cuda" else None)
+    if warmup := model_warmup(bundle.inputs, (preferred or [max_batch]) if max_batch else [1], warmup_runs,
+                              max_batch > 0):
+        config["model_warmup"] = warmup
     staging = repo / f".{name}.staging"
     shutil.rmtree(staging, ignore_errors=True)
     (staging / "1").mkdir(parents=True)

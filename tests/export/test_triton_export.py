@@ -42,6 +42,10 @@ def test_onnxruntime_repository_from_the_cli(tmp_path):
     group = config.instance_group[0]
     assert group.count == 2 and group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU and list(group.gpus) == [1]
     assert list(config.model_operations.op_library_filename) == ["/models/tab/libdeploykit_ort.so"]
+    warmup = [(w.name, w.batch_size, w.count, list(w.inputs)) for w in config.model_warmup]
+    assert warmup == [("batch_1", 1, 3, ["features"]), ("batch_2", 2, 3, ["features"]), ("batch_4", 4, 3, ["features"])]
+    sample = config.model_warmup[0].inputs["features"]
+    assert sample.random_data and list(sample.dims) == [13] and sample.data_type == model_config_pb2.TYPE_FP32
     assert sha256_of(model / "1" / "model.onnx") == sha256_of(bundle / "model.onnx")
     assert sha256_of(model / "libdeploykit_ort.so") == sha256_of(bundle / "libdeploykit_ort.so")
     readme = (model / "README.md").read_text()
@@ -80,6 +84,18 @@ def test_refusals(tmp_path):
     assert result.returncode == 2 and "TensorRT runs on the GPU only" in result.stderr
 
 
+def test_integer_inputs_warm_up_with_zeros_and_no_runs_means_no_warmup():
+    from deploykit.export.triton import model_warmup
+
+    inputs = [{"name": "input_ids", "dtype": "int64", "shape": ["batch", 128]},
+              {"name": "pixels", "dtype": "float16", "shape": ["batch", 3, 8, 8]}]
+    [entry] = model_warmup(inputs, [32], 2, batched=True)
+    assert entry["name"] == "batch_32" and entry["batch_size"] == 32 and entry["count"] == 2
+    ids, pixels = (sample["value"] for sample in entry["inputs"])
+    assert ids["zero_data"] and ids["dims"] == [128] and pixels["random_data"] and pixels["dims"] == [3, 8, 8]
+    assert model_warmup(inputs, [32], 0, batched=True) == []
+
+
 def test_an_output_without_the_batch_dimension_batches_in_neither(tmp_path):
     """serve and export triton ask one rule: an output that is not split by the batch stops batching in both."""
     from deploykit.serving.models import ServeOptions, load_models
@@ -91,3 +107,4 @@ def test_an_output_without_the_batch_dimension_batches_in_neither(tmp_path):
     config = parsed(export_triton(bundle, tmp_path / "repo", device="cpu").model_dir)
     assert config.max_batch_size == 0 and not config.HasField("dynamic_batching")
     assert list(config.input[0].dims) == [-1, 13] and list(config.output[1].dims) == [16]
+    assert not config.model_warmup  # a batch Triton does not know: no fixed size to warm up with
