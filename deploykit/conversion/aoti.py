@@ -27,8 +27,8 @@ from deploykit.validation.inputs import random_feeds
 SHAPES = ("dynamic", "static", "both")
 TORCH_TYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 #: inductor settings per package device, recorded in each manifest entry. On cuda, freezing lets
-#: inductor fold the weights as constants, so convolutions run channels-last without converting
-#: their weights on every call (resnet50 fp32 batch 32 on the H200: benchmarks/probe_aoti_configs.py).
+#: inductor fold the weights as constants and lay them out once (channels-last convolutions without
+#: a weight conversion per call); benchmarks/probe_aoti_configs.py times it against no freezing.
 INDUCTOR_CONFIGS = {"cuda": {"freezing": True}, "cpu": {}}
 _TORCHSCRIPT = "TorchScript cannot be compiled by AOTInductor (it compiles torch.export programs)"
 
