@@ -9,6 +9,8 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
@@ -60,9 +62,12 @@ class PrivateCopy {
     out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
     if (!out.flush()) fail(ErrorKind::Environment, "cannot write " + path_);
   }
+  // unlink and rmdir, not std::filesystem::remove_all: libtorch 2.11's libtorch.so exports its own
+  // std::filesystem functions, this program's calls bind to them, and its remove_all calls a null
+  // pointer (a segfault on every AOTInductor run, seen with torch 2.11.0+cu130).
   ~PrivateCopy() {
-    std::error_code ignored;
-    fs::remove_all(directory_, ignored);
+    ::unlink(path_.c_str());
+    ::rmdir(directory_.c_str());
   }
   PrivateCopy(const PrivateCopy&) = delete;
   PrivateCopy& operator=(const PrivateCopy&) = delete;
