@@ -170,10 +170,10 @@ def _entry(bundle: Path, name: str = DYNAMIC) -> dict:
 def test_compat_names_the_torch_the_arch_and_the_isa(bundle):
     entry = _entry(bundle)
     assert compat.package_problem_here(entry) is None
-    other_torch = {**entry, "torch": "2.11.0+cu130"}
+    other_torch = {**entry, "torch": "2.3.0+cu130"}
     assert compat.package_problem_here(other_torch) == (
-        f"{DYNAMIC} was compiled by torch 2.11.0+cu130 and this is torch {torch.__version__}; an AOTInductor "
-        "package runs only on the torch that compiled it: pip install torch==2.11.0, or convert with --backend "
+        f"{DYNAMIC} was compiled by torch 2.3.0+cu130 and this is torch {torch.__version__}; an AOTInductor "
+        "package runs only on the torch that compiled it: pip install torch==2.3.0, or convert with --backend "
         "aoti here")
     assert compat.package_problem({**entry, "torch": "2.14.1+cpu"}, "2.14.1+cu130", (), compat.cpu_isas()) is None
     other_isa = {**entry, "cpu_isa": "neon"}
@@ -194,17 +194,17 @@ def test_a_package_of_another_torch_is_left_out_or_refused(bundle, tmp_path):
     def other_torch(manifest, names):
         for entry in manifest["aoti"]:
             if entry["file"] in names:
-                entry["torch"] = "2.11.0"
+                entry["torch"] = "2.3.0"
 
     edit_manifest(copy, lambda m: other_torch(m, {STATIC[1]}))
     runner = deploykit.load(copy, backend="aoti", device="cpu")
     assert STATIC[1] not in [p.file for p in runner.packages]
-    assert any(note.startswith(f"{STATIC[1]} left out: {STATIC[1]} was compiled by torch 2.11.0") for note in runner.notes)
+    assert any(note.startswith(f"{STATIC[1]} left out: {STATIC[1]} was compiled by torch 2.3.0") for note in runner.notes)
     runner(images(1))
     assert runner.served == {1: DYNAMIC}
     edit_manifest(copy, lambda m: other_torch(m, {DYNAMIC, *STATIC.values()}))
     with pytest.raises(EnvironmentProblem, match=f"cannot run b's AOTInductor packages here: {DYNAMIC} was "
-                                                 "compiled by torch 2.11.0"):
+                                                 "compiled by torch 2.3.0"):
         deploykit.load(copy, backend="aoti", device="cpu")
 
 
