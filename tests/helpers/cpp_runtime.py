@@ -57,10 +57,10 @@ def configure_and_build(source: Path, build: Path, *defines: str) -> str:
     return configure.stdout
 
 
-def run_cpp(executable: Path | str, *args) -> subprocess.CompletedProcess:
+def run_cpp(executable: Path | str, *args, env: dict | None = None) -> subprocess.CompletedProcess:
     """deploykit-run with ``args``; if a signal kills it, its stderr gets a backtrace where a debugger is here."""
     command = [str(executable), *map(str, args)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     if result.returncode < 0:
         result.stderr += backtrace(command)
     return result

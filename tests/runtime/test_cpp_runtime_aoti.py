@@ -51,6 +51,19 @@ def test_outputs_equal_the_python_aoti_runner(tmp_path, built, bundle, batch):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_the_private_copies_of_packages_are_removed(tmp_path, built, bundle):
+    """deploykit-run loads a copy of each verified package from a folder of its own, gone at exit."""
+    import os
+
+    executable, _ = built
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    result = run_cpp(executable, bundle, "--backend", "aoti", "--inputs", inputs(tmp_path, 1), "--trust-bundle",
+                     env={**os.environ, "TMPDIR": str(temporary)})
+    assert result.returncode == 0, result.stderr
+    assert not list(temporary.glob("deploykit-aoti-*"))
+
+
 @pytest.mark.parametrize("choice, batch, runs", [
     (["--aoti-package", "DYNAMIC"], 1, "DYNAMIC"),
     (["--aoti-packages", "dynamic"], 1, "DYNAMIC"),
