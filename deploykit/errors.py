@@ -51,6 +51,12 @@ class ValidationFailed(DeployKitError):
     exit_code = EXIT_VALIDATION_FAILED
 
 
+def with_reason(reasons: str, error: BaseException, prefix: str = "") -> str:
+    """``reasons`` (a "; "-joined list, maybe empty) with ``error``'s summary added after ``prefix``:
+    why a timed backend broke, beside what was already said of it (bench and tune)."""
+    return "; ".join(filter(None, [reasons, prefix + error_summary(error)[:300]]))
+
+
 def error_summary(error: BaseException) -> str:
     """The line of a library's error that says what went wrong.
 

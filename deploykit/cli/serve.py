@@ -115,7 +115,6 @@ def triton(bundle, repo, name, platform, device, instances, max_delay_ms, server
         repo.mkdir(parents=True, exist_ok=True)
         result = export_triton(bundle, repo, name, platform=platform, max_delay_ms=max_delay_ms, instances=instances,
                                device=device, server_repo=server_repo, warmup_runs=warmup_runs,
-                               trust_native=trust_bundle,
-                               allow_failed=allow_failed, force=force)
+                               trust_native=trust_bundle, allow_failed=allow_failed, force=force)
     console.print(f"Wrote {result.model_dir} ({result.platform}): {', '.join(result.files)}", soft_wrap=True)
     console.print(f"Serve it with: {result.command}", soft_wrap=True)

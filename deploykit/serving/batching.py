@@ -96,9 +96,10 @@ class Batcher:
                 self._run(runner, batch)
 
     def _warm_up(self, runner) -> None:
-        model, started = self.model, time.perf_counter()
+        model = self.model
         if not model.warmup_runs or not model.warmup_sizes:
             return
+        started = time.perf_counter()
         try:
             for size in model.warmup_sizes:
                 feeds = random_inputs(model.inputs, size, seed=0)

@@ -37,7 +37,7 @@ import numpy as np
 
 from deploykit import runtime
 from deploykit.bundle.trust import UntrustedNativeCode
-from deploykit.errors import BadInputError, DeployKitError, error_summary
+from deploykit.errors import BadInputError, DeployKitError, error_summary, with_reason
 from deploykit.tuning.candidates import find_candidates, open_runner
 from deploykit.tuning.timing import (
     TIMING, Step, bench_stream, calls_per_round, interleave, stream_pointer, summarize,
@@ -509,8 +509,7 @@ def _set_up(contender: Contender, entry: dict, batch: int, settings: Settings, s
 
 def _failed(entry: dict, batch: int, error: Exception) -> None:
     """A contender broke at one batch size: it is marked failed with the reason; its other sizes stand."""
-    reason = f"batch {batch}: {error_summary(error)[:300]}"
-    entry.update(status="failed", reason="; ".join(filter(None, [entry["reason"], reason])))
+    entry.update(status="failed", reason=with_reason(entry["reason"], error, f"batch {batch}: "))
 
 
 def _free() -> None:

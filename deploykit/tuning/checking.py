@@ -4,8 +4,8 @@ At conversion the reference is the in-memory PyTorch model with the conversion's
 ``deploykit tune BUNDLE`` it is the source model when it loads, else the bundle's own validated
 graph on ONNX Runtime's CPU provider (the fp32 reference graph of a reduced-precision bundle),
 judged with the tolerances the bundle was validated with (its precision's defaults and the
-conversion's ``--tolerance``, recorded in the manifest), then tune's own ``--tolerance``. A candidate is compared with the same
-reference run on the same inputs as every other one.
+conversion's ``--tolerance``, recorded in the manifest), then tune's own ``--tolerance``. A
+candidate is compared with the same reference run on the same inputs as every other one.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def graph_reference(bundle: Bundle, overrides: tuple[str, ...] = ()) -> Referenc
     our ops; a reduced-precision bundle's fp32 reference graph."""
     name = bundle.manifest.get("reference_model") or bundle.model
     runner = CastingRunner(OnnxRuntimeRunner.from_model(bundle.file(name)))
-    return Reference(Remembered(runner), f"{name} on ONNX Runtime, CPU (no source model)", bundle_tolerances(bundle, overrides))
+    return Reference(Remembered(runner), f"{name} on ONNX Runtime, CPU (no source model)",
+                     bundle_tolerances(bundle, overrides))
 
 
 class CastingRunner:

@@ -88,7 +88,8 @@ def load_tuned(bundle: Bundle, device: str, device_id: int, notes: list[str], *,
         key = json.dumps([backend, options], sort_keys=True)
         if key not in opened:
             opened[key] = open_runner(bundle, backend, options, device, device_id, trust_native=trust_native,
-                                      notes=list(notes), verify=verify, allow_unvalidated=allow_unvalidated, checks=checks,
+                                      notes=list(notes), verify=verify, allow_unvalidated=allow_unvalidated,
+                                      checks=checks,
                                       **({**ort_options, "op_library": op_library} if backend == "onnxruntime" else {}))
         return opened[key]
 

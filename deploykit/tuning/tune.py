@@ -17,7 +17,7 @@ from deploykit.backends.base.feeds import random_inputs
 from deploykit.bundle.read import Bundle
 from deploykit.bundle.trust import UntrustedNativeCode
 from deploykit.backends.tensorrt.shim import local_gpus
-from deploykit.errors import EnvironmentProblem, error_summary
+from deploykit.errors import EnvironmentProblem, with_reason
 from deploykit.tuning import record
 from deploykit.tuning.candidates import Candidate, find_candidates, open_runner
 from deploykit.tuning.checking import Reference, check, graph_reference, source_reference
@@ -135,7 +135,7 @@ def _checked_step(candidate: Candidate, result: dict, bundle: Bundle, reference:
 
 def _add_reason(result: dict, error: Exception) -> None:
     """A candidate that broke is not timed (its p50 stays None); why is added to what its check said."""
-    result.update(p50_ms=None, reason="; ".join(filter(None, [result["reason"], error_summary(error)[:300]])))
+    result.update(p50_ms=None, reason=with_reason(result["reason"], error))
 
 
 def _result(candidate: Candidate, reason: str | None = None) -> dict:

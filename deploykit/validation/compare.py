@@ -84,7 +84,8 @@ def parse_tolerances(texts: list[str], precision: str, output_names: list[str]) 
 def bundle_tolerances(bundle, overrides=()) -> dict[str, Tolerance]:
     """Per output of a converted ``Bundle``: the tolerances it was validated with (its precision's,
     then the conversion's --tolerance texts its manifest records), then ``overrides``."""
-    return parse_tolerances([*bundle.tolerances, *overrides], bundle.precision, [spec["name"] for spec in bundle.outputs])
+    names = [spec["name"] for spec in bundle.outputs]
+    return parse_tolerances([*bundle.tolerances, *overrides], bundle.precision, names)
 
 
 @dataclasses.dataclass
