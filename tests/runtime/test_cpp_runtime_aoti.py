@@ -58,8 +58,8 @@ def test_the_private_copies_of_packages_are_removed(tmp_path, built, bundle):
     executable, _ = built
     temporary = tmp_path / "tmp"
     temporary.mkdir()
-    result = run_cpp(executable, bundle, "--backend", "aoti", "--inputs", inputs(tmp_path, 1), "--trust-bundle",
-                     env={**os.environ, "TMPDIR": str(temporary)})
+    result = run_cpp(executable, bundle, "--backend", "aoti", "--inputs", inputs(tmp_path, 1), "-o", tmp_path,
+                     "--trust-bundle", env={**os.environ, "TMPDIR": str(temporary)})
     assert result.returncode == 0, result.stderr
     assert not list(temporary.glob("deploykit-aoti-*"))
 
