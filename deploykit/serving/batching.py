@@ -2,7 +2,7 @@
 takes what fits in ``max_batch`` rows, waiting at most ``max_delay`` after the oldest request
 arrived, pads the rows up to a bucket size, runs once and splits the outputs back by request.
 Before its first request a worker warms its runner up (``ServedModel.warmup_sizes``) on its own
-thread, as ONNX Runtime keeps CUDA graphs per thread; ``wait_warm`` returns once all have.
+thread, where its first requests will run; ``wait_warm`` returns once all have.
 
 Threads, not the event loop: runners release the GIL while they compute (ONNX Runtime,
 TensorRT), so N instances run N batches at once while the loop keeps parsing requests.

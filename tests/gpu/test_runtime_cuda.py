@@ -111,13 +111,43 @@ def test_cuda_runner_replays_a_graph_per_batch_size_and_matches_the_cpu(bundles)
     cpu = deploykit.load(bundles / "fp32", device="cpu")
     runner = deploykit.load(bundles / "fp32", device="cuda")
     assert runner.describe()["cuda_graph"] is True
-    for batch in (1, 8, 3, 1, 8):  # each size captured once, then replayed, in any order
-        features = random_inputs(runner.inputs, batch, seed=batch)["features"]
+    for seed, batch in enumerate((1, 8, 3) * 4 + (8, 1)):  # captured on its third run, then replayed, any order
+        features = random_inputs(runner.inputs, batch, seed=seed)["features"]  # new values on every replay
         got = runner(features=torch.from_numpy(features).cuda())
         for name, expected in cpu(features=features).items():
             assert got[name].is_cuda
             np.testing.assert_allclose(got[name].cpu().numpy(), expected, rtol=1e-4, atol=1e-5)
     assert len(runner.cuda_runs.plans) == 3
+    assert all(plan.graph is not None for plan in runner.cuda_runs.plans.values()), runner.notes
+
+
+class _SynchronizingSession:
+    """A session whose run synchronises the device while a stream captures: the capture must fail."""
+
+    def __init__(self, session):
+        self.session = session
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+    def run_with_iobinding(self, binding, options):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
+        return self.session.run_with_iobinding(binding, options)
+
+
+def test_a_shape_whose_capture_fails_runs_uncaptured_with_a_note(bundles):
+    cpu = deploykit.load(bundles / "fp32", device="cpu")
+    runner = deploykit.load(bundles / "fp32", device="cuda")
+    runner.cuda_runs.session = _SynchronizingSession(runner.cuda_runs.session)
+    for seed in range(5):
+        features = random_inputs(runner.inputs, 4, seed=seed)["features"]
+        got = runner(features=torch.from_numpy(features).cuda())
+        for name, expected in cpu(features=features).items():
+            np.testing.assert_allclose(got[name].cpu().numpy(), expected, rtol=1e-4, atol=1e-5)
+    (plan,) = runner.cuda_runs.plans.values()
+    assert plan.graph is None and plan.uncapturable
+    assert [note for note in runner.notes if "4x13 runs without a CUDA graph" in note], runner.notes
 
 
 def test_two_runners_capturing_in_two_threads_at_once_both_match_the_cpu(bundles):

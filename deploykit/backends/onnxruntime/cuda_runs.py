@@ -1,23 +1,29 @@
-"""Calls into a session on the CUDA provider at ONNX Runtime's own floor.
+"""Calls into a session on the CUDA provider at, or below, ONNX Runtime's own floor.
 
 Everything a call needs that depends only on the input shapes is made once per shape: the
-IOBinding, the output buffers and, with CUDA graphs, input buffers at fixed addresses and a graph
-id (ONNX Runtime captures a shape's graph on its first runs and replays it after; run option
-``gpu_graph_id``). The session runs on a stream of its own (``user_compute_stream``): each call
+IOBinding, the output buffers and, with CUDA graphs, input buffers at fixed addresses and the
+shape's graph. The session runs on a stream of its own (``user_compute_stream``): each call
 orders that stream after the caller's current stream and the caller's after it with events, and
 ONNX Runtime is told not to synchronise at the end of a run, so nothing waits for the whole
 device and outputs are ready for whatever the caller queues next on its stream.
 
-A plan's first ``CAPTURE_RUNS`` runs in a thread may capture its graph, so they hold the process's GPU lock
-alone (``backends.base.capture``); later runs share it.
+The graphs are torch's (``torch.cuda.CUDAGraph``), captured around one ``run_with_iobinding``,
+not ONNX Runtime's own (run option ``gpu_graph_id``): ONNX Runtime's CUDA provider waits for its
+stream after every replay of its own graphs, which puts all of a call's Python work between two
+GPU runs; a replay of ours is queued like any kernel. The session is still made with
+``enable_cuda_graph`` (ONNX Runtime then refuses graphs whose nodes would leave the CUDA
+provider), and every run asks it not to capture (``gpu_graph_id`` -1). A capture needs the
+shape's memory in ONNX Runtime's arena and cuDNN's algorithms chosen, so a shape runs
+``WARMUP_RUNS`` times uncaptured first. A capture holds the process's GPU lock alone
+(``backends.base.capture``); replays share it. A graph replays ONNX Runtime's intermediate
+buffers of the run it captured, so the calls of one session take turns (its own lock).
 
-Needs torch (its allocator, streams and events); without torch the runner binds pointers and
-lets ONNX Runtime synchronise (``OnnxRuntimeRunner``).
+Needs torch (its allocator, streams, events and graphs); without torch the runner binds pointers
+and lets ONNX Runtime synchronise (``OnnxRuntimeRunner``).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
 
@@ -26,29 +32,31 @@ import numpy as np
 from deploykit.backends.base.capture import GPU_WORK
 from deploykit.backends.base.feeds import Feed, numpy_dtype
 from deploykit.backends.base.memory import TorchMemory
+from deploykit.errors import error_summary
 
-#: ONNX Runtime's CUDA provider runs a new graph id uncaptured (one or two runs, by version, so its
-#: arena has allocated everything) and captures it on the run after. It keeps graphs per calling
-#: thread, so a plan's runs are counted per thread.
-CAPTURE_RUNS = 3
+#: Uncaptured runs of a new input shape before its graph is captured: the first may search
+#: cuDNN's algorithms and grow ONNX Runtime's arena, neither of which a capture may do.
+WARMUP_RUNS = 2
 
 
 @dataclasses.dataclass
 class ShapePlan:
-    """One input shape's binding and its outputs' shapes and dtypes. With a captured graph,
-    ``inputs`` and ``outputs`` are its fixed-address buffers (without one, the caller's tensors
-    and fresh outputs are bound on every call)."""
+    """One input shape's binding and its outputs' shapes. With CUDA graphs, ``inputs`` and
+    ``outputs`` are the fixed-address buffers bound once (without, the caller's tensors and fresh
+    outputs are bound on every call), and ``graph`` is the shape's graph once captured."""
 
     binding: object
-    options: object  # onnxruntime.RunOptions
     output_shapes: list[tuple[int, ...]]
     inputs: dict | None = None
     outputs: list | None = None
-    runs: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # thread id -> runs
+    graph: object = None  # torch.cuda.CUDAGraph
+    runs: int = 0
+    uncapturable: bool = False
 
 
 class CudaRuns:
-    """Per-shape plans over one session. ``graphs``: capture and replay a CUDA graph per shape."""
+    """Per-shape plans over one session. ``graphs``: capture and replay a CUDA graph per shape;
+    a shape whose capture failed is named in ``notes`` (the runner's, which it hands in)."""
 
     def __init__(self, session, output_specs: list[dict], device_id: int, stream, graphs: bool):
         import onnxruntime as ort
@@ -59,65 +67,82 @@ class CudaRuns:
         self.memory = TorchMemory(device_id)
         self.stream, self.graphs = stream, graphs  # the session's torch.cuda.Stream
         self.plans: dict[tuple, ShapePlan | None] = {}  # None: that input shape has no plan
+        self.notes: list[str] = []
+        self._turns = threading.Lock()
+        self.options = ort.RunOptions()  # a planned run: no synchronise at its end
+        self.options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         self.uncaptured = ort.RunOptions()  # for calls that cannot have a plan (outputs of unknown shape)
-        if graphs:
-            self.uncaptured.add_run_config_entry("gpu_graph_id", "-1")
+        if graphs:  # ONNX Runtime never captures: the graphs are ours
+            for options in (self.options, self.uncaptured):
+                options.add_run_config_entry("gpu_graph_id", "-1")
 
     def run(self, given: dict[str, Feed], output_shapes) -> list | None:
         """Output tensors (the caller's to keep), or None when the outputs' shapes do not follow from
         the inputs' (no plan can bind them). ``output_shapes(given)`` is asked once per input shape."""
         key = tuple((name, feed.shape, feed.dtype.str) for name, feed in given.items())
-        with GPU_WORK.around(self._may_capture(key)):
+        with self._turns:
             plan = self.plans.get(key)
-            if key not in self.plans:
-                shapes = output_shapes(given)
-                plan = self.plans[key] = None if None in shapes else self._plan(given, shapes)
-            if plan is None:
-                return None
-            plan.runs[threading.get_ident()] += 1
-            return self._run(plan, given)
+            with GPU_WORK.around(plan is not None and self._captures_next(plan)):
+                if key not in self.plans:
+                    shapes = output_shapes(given)
+                    plan = self.plans[key] = None if None in shapes else self._plan(given, shapes)
+                return None if plan is None else self._run(plan, given)
 
-    def _may_capture(self, key: tuple) -> bool:
-        if not self.graphs or key not in self.plans:
-            return self.graphs
-        plan = self.plans[key]
-        return plan is not None and plan.runs[threading.get_ident()] < CAPTURE_RUNS
+    def _captures_next(self, plan: ShapePlan) -> bool:
+        return plan.inputs is not None and plan.graph is None and not plan.uncapturable and plan.runs == WARMUP_RUNS
 
     def _run(self, plan: ShapePlan, given: dict[str, Feed]) -> list:
         torch, stream = self.torch, self.stream
         caller = torch.cuda.current_stream(self.device)
-        tensors = {name: self._tensor(feed) for name, feed in given.items()}
-        if stream != caller:
-            stream.wait_stream(caller)
+        tensors = [self._tensor(feed) for feed in given.values()]
         if plan.inputs is None:
-            for name, tensor in tensors.items():
+            for name, tensor in zip(given, tensors):
                 self._bind_input(plan.binding, name, tensor)
             results = self._empty_outputs(plan.output_shapes)  # allocated for the caller's stream
             for spec, tensor in zip(self.specs, results):
                 self._bind_output(plan.binding, spec["name"], tensor)
-        else:
-            with torch.cuda.stream(stream):
-                for name, tensor in tensors.items():
-                    plan.inputs[name].copy_(tensor, non_blocking=True)
-        self.session.run_with_iobinding(plan.binding, plan.options)
-        if plan.inputs is not None:  # the next replay overwrites the graph's outputs: hand out copies
+        else:  # the next replay overwrites the graph's outputs: hand out copies, allocated for the caller
             results = [torch.empty_like(buffer) for buffer in plan.outputs]
-            with torch.cuda.stream(stream):
-                for result, buffer in zip(results, plan.outputs):
-                    result.copy_(buffer, non_blocking=True)
+        if stream != caller:
+            stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            if plan.inputs is not None:
+                torch._foreach_copy_(list(plan.inputs.values()), tensors, non_blocking=True)
+            self._launch(plan)
+            if plan.inputs is not None:
+                torch._foreach_copy_(results, plan.outputs, non_blocking=True)
         if stream != caller:
             caller.wait_stream(stream)
         return results
 
-    def _plan(self, given: dict[str, Feed], shapes: list[tuple[int, ...]]) -> ShapePlan:
-        import onnxruntime as ort
+    def _launch(self, plan: ShapePlan) -> None:
+        """Replay the shape's graph, or capture it and replay it, or run the session."""
+        if plan.graph is None and self._captures_next(plan):
+            plan.graph = self._capture(plan)
+            plan.uncapturable = plan.graph is None
+        plan.runs += 1
+        if plan.graph is not None:
+            plan.graph.replay()
+        else:
+            self.session.run_with_iobinding(plan.binding, self.options)
 
-        options = ort.RunOptions()
-        options.add_run_config_entry("disable_synchronize_execution_providers", "1")
-        plan = ShapePlan(self.session.io_binding(), options, shapes)
+    def _capture(self, plan: ShapePlan):
+        """The shape's run captured as a graph, or None (noted) where ONNX Runtime's run cannot be."""
+        torch = self.torch
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+                self.session.run_with_iobinding(plan.binding, self.options)
+        except Exception as error:  # noqa: BLE001 - torch's and ONNX Runtime's errors alike
+            shape = "x".join(map(str, next(iter(plan.inputs.values())).shape))
+            self.notes.append(f"input shape {shape} runs without a CUDA graph: its capture failed "
+                              f"({error_summary(error)[:200]})")
+            return None
+        return graph
+
+    def _plan(self, given: dict[str, Feed], shapes: list[tuple[int, ...]]) -> ShapePlan:
+        plan = ShapePlan(self.session.io_binding(), shapes)
         if self.graphs:
-            graph_id = 1 + sum(made is not None for made in self.plans.values())  # 0 is ORT's default graph
-            options.add_run_config_entry("gpu_graph_id", str(graph_id))
             plan.inputs = {name: self.torch.empty(feed.shape, dtype=_torch_dtype(feed.dtype.name), device=self.device)
                            for name, feed in given.items()}
             plan.outputs = self._empty_outputs(shapes)
@@ -152,7 +177,6 @@ def _torch_dtype(name: str):
     import torch
 
     return getattr(torch, name)  # numpy's and torch's names agree for every ONNX tensor type ORT binds
-
 
 
 def _numpy_dtype(tensor) -> np.dtype:

@@ -40,6 +40,8 @@ class OnnxRuntimeRunner(Runner):
         self.model_path, self.library = model_path, library
         self.allow_unvalidated = allow_unvalidated
         self.cuda_runs = cuda_runs  # the per-shape fast path on the CUDA provider (torch present)
+        if cuda_runs is not None:
+            cuda_runs.notes = self.notes  # a shape whose graph capture failed is named here
 
     @classmethod
     def from_model(cls, model, op_library: Path | None = None) -> OnnxRuntimeRunner:
