@@ -192,10 +192,14 @@ def test_outputs_handed_out_are_not_overwritten_by_the_next_replay(bundles):
 
 
 def test_the_caller_stream_is_ordered_without_a_device_synchronize(bundles):
-    """Inputs computed on a side stream right before the call, outputs read on it right after."""
+    """Inputs computed on a side stream right before the call, outputs read on it right after; the
+    shape's graph, captured from calls on the default stream, is replayed on the side stream."""
     runner = deploykit.load(bundles / "fp32", device="cuda")
     cpu = deploykit.load(bundles / "fp32", device="cpu")
     features = random_inputs(runner.inputs, 8, seed=5)["features"]
+    for seed in range(3):
+        runner(features=torch.from_numpy(random_inputs(runner.inputs, 8, seed=seed)["features"]).cuda())
+    assert all(plan.graph is not None for plan in runner.cuda_runs.plans.values()), runner.notes
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         torch.cuda._sleep(50_000_000)  # the input is written long after the call is queued

@@ -2,10 +2,11 @@
 
 Everything a call needs that depends only on the input shapes is made once per shape: the
 IOBinding, the output buffers and, with CUDA graphs, input buffers at fixed addresses and the
-shape's graph. The session runs on a stream of its own (``user_compute_stream``): each call
-orders that stream after the caller's current stream and the caller's after it with events, and
-ONNX Runtime is told not to synchronise at the end of a run, so nothing waits for the whole
-device and outputs are ready for whatever the caller queues next on its stream.
+shape's graph. A graph is replayed on the caller's current stream, between the copies into its
+inputs and out of its outputs. The session itself runs on a stream of its own
+(``user_compute_stream``), ordered after the caller's current stream and the caller's after it
+by events, and ONNX Runtime is told not to synchronise at the end of a run, so nothing waits
+for the whole device and outputs are ready for whatever the caller queues next on its stream.
 
 The graphs are torch's (``torch.cuda.CUDAGraph``), captured around one ``run_with_iobinding``,
 not ONNX Runtime's own (run option ``gpu_graph_id``): ONNX Runtime's CUDA provider waits for its
@@ -24,6 +25,7 @@ and lets ONNX Runtime synchronise (``OnnxRuntimeRunner``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 
@@ -69,6 +71,7 @@ class CudaRuns:
         self.plans: dict[tuple, ShapePlan | None] = {}  # None: that input shape has no plan
         self.notes: list[str] = []
         self._turns = threading.Lock()
+        self._last = None  # the stream the session's last call was ordered on
         self.options = ort.RunOptions()  # a planned run: no synchronise at its end
         self.options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         self.uncaptured = ort.RunOptions()  # for calls that cannot have a plan (outputs of unknown shape)
@@ -88,35 +91,31 @@ class CudaRuns:
                     plan = self.plans[key] = None if None in shapes else self._plan(given, shapes)
                 return None if plan is None else self._run(plan, given)
 
+    @contextlib.contextmanager
+    def turn(self):
+        """This session's turn for a run outside the plans (which ONNX Runtime synchronises): after
+        the session's last call is done, as a replay on another stream may still use its buffers."""
+        with self._turns:
+            if self._last is not None:
+                self._last.synchronize()
+            yield
+
     def _captures_next(self, plan: ShapePlan) -> bool:
         return plan.inputs is not None and plan.graph is None and not plan.uncapturable and plan.runs == WARMUP_RUNS
 
     def _run(self, plan: ShapePlan, given: dict[str, Feed]) -> list:
-        torch, stream = self.torch, self.stream
-        caller = torch.cuda.current_stream(self.device)
+        """A replay is queued on the caller's stream itself; a run of the session on the session's
+        stream, between events. Either way the call is ordered after the session's last call, which
+        may have come from another stream."""
+        torch = self.torch
+        caller = torch.cuda.current_stream(self.device_id)
+        if self._last is not None and self._last != caller:
+            caller.wait_stream(self._last)
+        self._last = caller
         tensors = [self._tensor(feed) for feed in given.values()]
         if plan.inputs is None:
-            for name, tensor in zip(given, tensors):
-                self._bind_input(plan.binding, name, tensor)
-            results = self._empty_outputs(plan.output_shapes)  # allocated for the caller's stream
-            for spec, tensor in zip(self.specs, results):
-                self._bind_output(plan.binding, spec["name"], tensor)
-        else:  # the next replay overwrites the graph's outputs: hand out copies, allocated for the caller
-            results = [torch.empty_like(buffer) for buffer in plan.outputs]
-        if stream != caller:
-            stream.wait_stream(caller)
-        with torch.cuda.stream(stream):
-            if plan.inputs is not None:
-                torch._foreach_copy_(list(plan.inputs.values()), tensors, non_blocking=True)
-            self._launch(plan)
-            if plan.inputs is not None:
-                torch._foreach_copy_(results, plan.outputs, non_blocking=True)
-        if stream != caller:
-            caller.wait_stream(stream)
-        return results
-
-    def _launch(self, plan: ShapePlan) -> None:
-        """Replay the shape's graph, or capture it and replay it, or run the session."""
+            return self._run_bound(plan, given, tensors, caller)
+        torch._foreach_copy_(list(plan.inputs.values()), tensors, non_blocking=True)
         if plan.graph is None and self._captures_next(plan):
             plan.graph = self._capture(plan)
             plan.uncapturable = plan.graph is None
@@ -124,13 +123,36 @@ class CudaRuns:
         if plan.graph is not None:
             plan.graph.replay()
         else:
-            self.session.run_with_iobinding(plan.binding, self.options)
+            self._on_session_stream(caller, lambda: self.session.run_with_iobinding(plan.binding, self.options))
+        results = [torch.empty_like(buffer) for buffer in plan.outputs]  # the next replay overwrites them
+        torch._foreach_copy_(results, plan.outputs, non_blocking=True)
+        return results
+
+    def _run_bound(self, plan: ShapePlan, given: dict[str, Feed], tensors: list, caller) -> list:
+        """Without CUDA graphs: the caller's tensors and fresh outputs bound for this one run."""
+        for name, tensor in zip(given, tensors):
+            self._bind_input(plan.binding, name, tensor)
+        results = self._empty_outputs(plan.output_shapes)  # allocated for the caller's stream
+        for spec, tensor in zip(self.specs, results):
+            self._bind_output(plan.binding, spec["name"], tensor)
+        plan.runs += 1
+        self._on_session_stream(caller, lambda: self.session.run_with_iobinding(plan.binding, self.options))
+        return results
+
+    def _on_session_stream(self, caller, work) -> None:
+        """``work`` queued on the session's stream, after the caller's work so far and before its next."""
+        if self.stream != caller:
+            self.stream.wait_stream(caller)
+        work()
+        if self.stream != caller:
+            caller.wait_stream(self.stream)
 
     def _capture(self, plan: ShapePlan):
-        """The shape's run captured as a graph, or None (noted) where ONNX Runtime's run cannot be."""
+        """The shape's run captured as a graph (on the session's stream, where ONNX Runtime queues its
+        kernels), or None, noted, where ONNX Runtime's run cannot be captured."""
         torch = self.torch
         graph = torch.cuda.CUDAGraph()
-        try:
+        try:  # (torch.cuda.graph synchronises the device first: the input copies are done)
             with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
                 self.session.run_with_iobinding(plan.binding, self.options)
         except Exception as error:  # noqa: BLE001 - torch's and ONNX Runtime's errors alike

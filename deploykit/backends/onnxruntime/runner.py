@@ -5,6 +5,7 @@ CUDA arrays) and bench, profile and debug.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -63,7 +64,8 @@ class OnnxRuntimeRunner(Runner):
             return {name: deliver(tensor, kind, device) for name, tensor in zip(self.output_names, outputs)}
         if self.device != "cuda":
             return self._run_host(given, kind, device)
-        with GPU_WORK.shared():  # no graph is captured in this process meanwhile (backends.base.capture)
+        turn = self.cuda_runs.turn() if self.cuda_runs is not None else contextlib.nullcontext()
+        with GPU_WORK.shared(), turn:  # no graph is captured meanwhile (backends.base.capture)
             if any(feed.on_device for feed in given.values()):
                 return self._run_bound(given, kind, device)
             return self._run_host(given, kind, device)
