@@ -3,14 +3,17 @@
 Times, in one process and interleaved rounds (deploykit.tuning.timing, as bench times), the
 runner that ``deploykit.load(BUNDLE, backend="onnxruntime", device="cuda")`` returns (CUDA graphs
 on) against bench's floor (one IOBinding bound once, a CUDA graph, no copies), at one batch size,
-inputs already on the GPU. Then runs the runner's calls under cProfile, so the Python functions
-that cost the difference are named.
+inputs already on the GPU, and between them the runner's call taken apart (``PARTS``: without
+the input checks, then without locks and stream query, then the bare replay), so the cost of each
+part shows without a profiler's inflation. Then runs the runner's calls under cProfile, so the
+Python functions that cost the difference are named.
 
     python3 benchmarks/profile_runner_call.py BUNDLE [--batch 1] [--calls 500] --out DIR
 
-Writes DIR/profile_runner_call.md: the two p50s and their difference, the host's time per call of
-each (a call that returns before its GPU work is done costs the host less than the GPU), then
-pstats' top functions by own time and by cumulative time. GPU only.
+Writes DIR/profile_runner_call.md: the runner's and the floor's p50 and their difference, a table
+of every step's p50 and host time per call (a call that returns before its GPU work is done costs
+the host less than the GPU), then pstats' top functions by own time and by cumulative time. GPU
+only.
 """
 
 from __future__ import annotations
@@ -43,27 +46,60 @@ def main() -> None:
     with bench_stream("cuda", tf32=False):
         runner = deploykit.load(args.bundle, backend="onnxruntime", device="cuda")
         on_gpu = {name: torch.from_numpy(array).cuda() for name, array in feeds.items()}
-        steps = [lambda: runner(**on_gpu), cuda_graph_step(bundle, False, False, feeds)]
-        budget = Budget(device="cuda", iterations=args.calls, rounds=5, max_seconds=20)
-        runner_ms, floor_ms = (round_stats(timed.rounds)["p50_ms"] for timed in interleave(steps, budget))
-        host_ms = [host_ms_per_call(step, args.calls) for step in steps]
+        steps = {"runner": lambda: runner(**on_gpu), **runner_parts(runner, on_gpu),
+                 "floor": cuda_graph_step(bundle, False, False, feeds)}
+        budget = Budget(device="cuda", iterations=args.calls, rounds=5, max_seconds=30)
+        timed = interleave(list(steps.values()), budget)
+        p50 = {label: round_stats(result.rounds)["p50_ms"] for label, result in zip(steps, timed)}
+        host = {label: host_ms_per_call(step, args.calls) for label, step in steps.items()}
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(args.calls):
             runner(**on_gpu)
             torch.cuda.current_stream().synchronize()
         profile.disable()
-    report = [f"{bundle.path.name} batch {args.batch}, {torch.cuda.get_device_name()}: runner {runner_ms:.3f} ms, "
-              f"floor {floor_ms:.3f} ms, difference {(runner_ms - floor_ms) * 1e3:.0f} us per call",
-              f"host time per call, until the call returns (≈ the GPU time where a call waits for its work): "
-              f"runner {host_ms[0]:.3f} ms, floor {host_ms[1]:.3f} ms",
-              f"runner: {runner.describe()}", ""]
+    report = [f"{bundle.path.name} batch {args.batch}, {torch.cuda.get_device_name()}: runner {p50['runner']:.3f} ms, "
+              f"floor {p50['floor']:.3f} ms, difference {(p50['runner'] - p50['floor']) * 1e3:.0f} us per call",
+              f"runner: {runner.describe()}", "",
+              "| step | p50 ms (CUDA events, one synchronous call) | host ms per call, calls back to back |",
+              "| --- | ---: | ---: |",
+              *(f"| {label}: {PARTS.get(label, '')} | {p50[label]:.3f} | {host[label]:.3f} |" for label in steps), ""]
     for order in ("tottime", "cumulative"):
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats(order).print_stats(25)
         report += [f"## by {order} ({args.calls} calls)", "```", text.getvalue().strip(), "```", ""]
     (args.out / "profile_runner_call.md").write_text("\n".join(report))
-    print("\n".join(report[:3]))
+    print("\n".join(report[:report.index("", 3)]))
+
+
+#: What each timed step runs; each adds one part of the runner's call to the one after it.
+PARTS = {"runner": "deploykit.load(BUNDLE)(**inputs)",
+         "planned": "the runner's per-shape plan on inputs checked once (no input checks, no output kinds)",
+         "copies": "copies into the plan's graph, its replay, copies out (no locks, no stream query)",
+         "replay": "the plan's graph replayed, nothing else",
+         "floor": "ONNX Runtime's own graph, bound once (its replay waits for the GPU)"}
+
+
+def runner_parts(runner, on_gpu: dict) -> dict:
+    """The runner's call taken apart, on its own captured plan, so each part's cost shows."""
+    for _ in range(4):  # the shape's warm-up runs and its capture
+        runner(**on_gpu)
+    given = runner.checked_feeds(None, on_gpu)
+    runs = runner.cuda_runs
+    (plan,) = runs.plans.values()
+    if plan is None or plan.graph is None:
+        raise SystemExit(f"the runner captured no graph for this shape: {runner.notes}")
+    tensors = list(on_gpu.values())
+
+    def copies():
+        torch._foreach_copy_(list(plan.inputs.values()), tensors, non_blocking=True)
+        plan.graph.replay()
+        results = [torch.empty_like(buffer) for buffer in plan.outputs]
+        torch._foreach_copy_(results, plan.outputs, non_blocking=True)
+        return results
+
+    return {"planned": lambda: runs.run(given, runner.output_shapes), "copies": copies,
+            "replay": plan.graph.replay}
 
 
 def host_ms_per_call(step, calls: int) -> float:

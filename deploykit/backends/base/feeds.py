@@ -5,6 +5,7 @@ manifest (runtimes report mismatches obscurely), outputs in the form the inputs 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import warnings
 from pathlib import Path
@@ -56,6 +57,12 @@ def _torch_dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@functools.lru_cache(maxsize=None)
+def _numpy_dtype_of_torch(dtype) -> np.dtype:
+    """Cached: a call's inputs are classified on every call, on the GPU's latency path."""
+    return np.dtype(_torch_dtype_name(dtype))
+
+
 def as_feed(name: str, value) -> Feed:
     """Classify one input value without copying it (torch CPU tensors become numpy views)."""
     torch = imported_torch()
@@ -63,7 +70,7 @@ def as_feed(name: str, value) -> Feed:
         tensor = value.detach().contiguous()
         if tensor.dtype == torch.bfloat16:
             raise BadInputError(f"input {name} is bfloat16: deploykit bundles take the dtype in their manifest")
-        dtype = np.dtype(_torch_dtype_name(tensor.dtype))
+        dtype = _numpy_dtype_of_torch(tensor.dtype)
         if tensor.is_cuda:
             return Feed(name, tensor, tuple(tensor.shape), dtype, True, str(tensor.device))
         return Feed(name, tensor.numpy(), tuple(tensor.shape), dtype, False, "cpu")
@@ -93,8 +100,8 @@ def collect_feeds(feeds, named: Mapping, specs: list[dict]) -> dict[str, Feed]:
         feeds = {specs[0]["name"]: feeds}
     given = {**(feeds or {}), **named}
     names = [spec["name"] for spec in specs]
-    unknown, missing = sorted(set(given) - set(names)), [n for n in names if n not in given]
-    if unknown or missing:
+    if len(given) != len(names) or not all(name in given for name in names):
+        unknown, missing = sorted(set(given) - set(names)), [n for n in names if n not in given]
         problem = f"no input named {', '.join(unknown)}" if unknown else f"missing {', '.join(missing)}"
         raise BadInputError(f"{problem}; the model takes {describe_inputs(specs)}")
     result = {name: as_feed(name, given[name]) for name in names}
@@ -138,14 +145,19 @@ def dtype_mismatch(name: str, given: np.dtype, wanted: str) -> str:
 def check_feed(feed: Feed, spec: dict) -> None:
     """Dtype, rank and static sizes must match the manifest (runtimes report these obscurely).
     No cast here: the caller holds the array and decides what a cast may lose."""
-    want = "x".join(map(str, spec["shape"]))
-    if feed.dtype != np.dtype(spec["dtype"]):
+    if feed.dtype != _spec_dtype(spec["dtype"]):
         raise BadInputError(f"{dtype_mismatch(feed.name, feed.dtype, spec['dtype'])}: convert it first "
                             f"(e.g. x.astype(numpy.{spec['dtype']}))")
     if len(feed.shape) != len(spec["shape"]) or any(
         isinstance(d, int) and d > 0 and d != g for d, g in zip(spec["shape"], feed.shape)
     ):
+        want = "x".join(map(str, spec["shape"]))
         raise BadInputError(f"input {feed.name} has shape {'x'.join(map(str, feed.shape))}, the model takes {want}")
+
+
+@functools.lru_cache(maxsize=None)
+def _spec_dtype(name: str) -> np.dtype:
+    return np.dtype(name)
 
 
 def batch_outside_range(feed: Feed, spec: dict) -> str | None:
