@@ -1,11 +1,11 @@
 """Load test of ``deploykit serve``: C concurrent clients x R requests each on 127.0.0.1, with
-dynamic batching on and off; every answer is checked against ``deploykit run`` on the same input:
+dynamic batching on and off; every answer is checked against ``deploykit run``'s runner on the same input:
 "bit-exact" when identical, "wrong" when outside the tolerances the bundle was validated with (a
 row run in a padded batch of 32 on a GPU may round differently from the same row run alone).
 
 Each client is a thread with one keep-alive connection sending binary-tensor requests of
-``--rows`` rows, drawn from a few seeded inputs whose reference outputs ``deploykit run`` wrote
-(on the first device of ``--device``). Each mode starts one server (its log: serve-MODE.log in
+``--rows`` rows, drawn from a few seeded inputs whose reference outputs come from the runner
+``deploykit run`` makes (on the first device of ``--device``). Each mode starts one server (its log: serve-MODE.log in
 ``--out``) and runs every ``--clients`` count against it in turn. The run ends by itself (a fixed
 number of requests); it fails (exit 1) on any error or wrong answer.
 
@@ -54,7 +54,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="serve-load-") as work:
         logs = args.out or Path(work)
         logs.mkdir(parents=True, exist_ok=True)
-        cases = reference_cases(args.bundle, args.device.split(",")[0], args.rows, Path(work))
+        cases = reference_cases(args.bundle, args.device.split(",")[0], args.rows)
         results = [result for mode in modes for result in run_mode(mode, cases, args, logs / f"serve-{mode}.log")]
     table = markdown(results, args)
     print(table)
@@ -70,33 +70,36 @@ def counts(text: str) -> list[int]:
     return [int(part) for part in text.split(",")]
 
 
-def deploykit_cli(*args) -> None:
-    subprocess.run([sys.executable, "-m", "deploykit", *map(str, args)], check=True, capture_output=True, text=True)
-
-
 class Case(NamedTuple):
-    """Seeded random inputs, what ``deploykit run`` gives for them, and the bundle's tolerances."""
+    """Seeded random inputs, what ``deploykit run``'s runner gives for them, and the bundle's tolerances."""
 
     inputs: dict
     outputs: dict
     tolerances: dict
 
 
-def reference_cases(bundle: Path, device: str, rows: int, work: Path) -> list[Case]:
-    from deploykit.bundle.read import open_bundle
-    from deploykit.runtime import random_inputs
+def reference_cases(bundle: Path, device: str, rows: int) -> list[Case]:
+    """The reference answers, from the runner ``deploykit run BUNDLE --device DEVICE --inputs X.npz``
+    makes (``runtime.load`` with run's defaults), loaded once here rather than once per input:
+    a process per input spent most of the device's time limit loading AOTInductor packages."""
+    from deploykit import runtime
     from deploykit.validation.compare import bundle_tolerances
 
-    opened = open_bundle(bundle)
-    specs, tolerances = opened.inputs, bundle_tolerances(opened)
+    runner = runtime.load(bundle, "auto", device)
+    tolerances = bundle_tolerances(runner.bundle)
     cases = []
-    for seed in range(DISTINCT_INPUTS):
-        inputs = random_inputs(specs, rows, seed)
-        np.savez(work / f"x{seed}.npz", **inputs)
-        deploykit_cli("run", bundle, "--device", device, "--inputs", work / f"x{seed}.npz", "-o", work / f"y{seed}.npz")
-        with np.load(work / f"y{seed}.npz") as outputs:
-            cases.append(Case(inputs, dict(outputs), tolerances))
+    with runner:
+        for seed in range(DISTINCT_INPUTS):
+            inputs = runtime.random_inputs(runner.inputs, rows, seed)
+            outputs = {name: np.asarray(value) for name, value in runner.run(inputs).items()}
+            cases.append(Case(inputs, outputs, tolerances))
+    progress(f"{len(cases)} reference answers from {runner.describe()['backend']} on {device}")
     return cases
+
+
+def progress(text: str) -> None:
+    """A line on stderr as each stage ends: a run cut by a time limit says how far it got."""
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
 def request_body(inputs: dict[str, np.ndarray]) -> tuple[bytes, int]:
@@ -183,9 +186,13 @@ def run_mode(mode: str, cases: list, args, log: Path) -> list[dict]:
     try:
         with launch.running_server(serve_args, log, startup_s=120) as server:
             bodies = [request_body(case.inputs) for case in cases]
+            progress(f"server with batching {mode} ready")
             client(server.port, model, bodies, cases, 20, 0, {})  # warm-up: sessions, allocators, connections
-            results = [{"mode": f"batching {mode}", **timed_load(server.port, model, bodies, cases, clients, args)}
-                       for clients in args.clients]
+            results = []
+            for clients in args.clients:
+                results.append({"mode": f"batching {mode}", **timed_load(server.port, model, bodies, cases, clients,
+                                                                          args)})
+                progress(f"batching {mode}, {clients} clients: {results[-1]['throughput']:.0f} requests/s")
             server.stop(60)
     except RuntimeError as error:  # the server exited or was not ready: its log says why
         raise SystemExit(str(error)) from None
