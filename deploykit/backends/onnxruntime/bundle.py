@@ -21,10 +21,11 @@ def load_onnxruntime(bundle: Bundle, device: str = "cpu", device_id: int = 0, *,
                      allow_unvalidated: bool = False, trust_native: bool = False) -> OnnxRuntimeRunner:
     """The bundle's graph on the CPU or the CUDA provider, with deploykit's op library registered.
 
-    On the GPU (with torch there) the runner keeps a binding per input shape and runs on a stream
-    of its own, ordered with the caller's current stream by events (``stream`` gives it the
-    caller's stream instead); ``cuda_graph`` captures a CUDA graph per shape (None: wherever the
-    graph can be captured, the default), ``prefer_nhwc`` asks for channels-last convolutions.
+    On the GPU (with torch there) the runner keeps a binding per input shape; ``cuda_graph``
+    captures a CUDA graph per shape (None: wherever the graph can be captured, the default), which
+    replays on the caller's current stream. The session itself runs on a stream of its own, ordered
+    with the caller's by events (``stream`` gives it the caller's stream instead);
+    ``prefer_nhwc`` asks for channels-last convolutions.
     ``op_library=False`` runs the graph's ONNX function fallbacks instead of our kernels;
     ``model`` swaps in another graph with the same signature (bench's plain export);
     ``allow_unvalidated`` runs batches outside the validated range (the runner notes them); the
