@@ -5,9 +5,13 @@
 # (`deploykit tune`), then one `deploykit bench` per bundle beside eager PyTorch and
 # torch.compile(mode="reduce-overhead") in the bundle's precision.
 #   OUT=/tmp/results STEPS="convert tune bench" bash benchmarks/run_issue13_device.sh [MODEL...]
-# (default: all three models, all steps; PRECISIONS="fp16" for one precision). Conversions are CPU-bound and run side by side; tuning and
-# timing run one at a time so that nothing else shares the GPU while it is timed. Steps can go in
-# separate 10-minute device calls: bundles stay in $WORK while the machine is warm.
+# (default: all three models, steps convert tune bench; PRECISIONS="fp16" for one precision). Conversions are
+# CPU-bound and run side by side; tuning and timing run one at a time so that nothing else shares the GPU while it
+# is timed. Steps can go in separate 10-minute device calls: bundles stay in $WORK while the machine is warm.
+# Two more steps: "profile" (benchmarks/profile_runner_call.py on each bundle at batch 1: the ONNX Runtime runner's
+# call taken apart beside its floor) and "serve" (benchmarks/serve_load.py on the first model's first precision,
+# 32 clients x 100 requests, batching on and off). BACKEND=onnxruntime converts without AOTInductor packages
+# (minutes faster: enough for profile and serve).
 # Results: $OUT/summary.md, and $OUT/results.tgz with <model>-<precision>/bench.json, the bundles'
 # manifests (their tuning tables) and every step's log (the device returns only a few files a call).
 set -uo pipefail
@@ -43,13 +47,14 @@ torch.save(model_zoo.bert_base().state_dict(), f"{sys.argv[1]}/bert_base.pt")
 PY
 stamp "models saved"
 
+backend=(--backend aoti --aoti-shapes static); [ "${BACKEND:-aoti}" = onnxruntime ] && backend=(--backend onnxruntime)
 convert() {  # model precision
   # resnet50 fp16: atol as in run_bundles_device.sh; random weights leave near-ties between the top two
   # logits, so one flipped image in 32 (2026-12-01: the AOTInductor package at batch 32) is allowed.
   local extra=(); [ "$1" = resnet50 ] && [ "$2" = fp16 ] && extra=(--tolerance atol=0.1,min_top1=0.96)
   # shellcheck disable=SC2086
   python3 -m deploykit convert "$work/$1.pt" --factory "${factory[$1]}" ${inputs[$1]} --batch 1:1:32 \
-    --precision "$2" "${extra[@]}" --backend aoti --aoti-shapes static -o "$work/$1-$2" --force \
+    --precision "$2" "${extra[@]}" "${backend[@]}" -o "$work/$1-$2" --force \
     > "$OUT/convert-$1-$2.log" 2>&1
   echo "convert $1 $2: exit $?"
 }
@@ -68,7 +73,26 @@ for model in $models; do
 done
 fi
 
-has_step bench || { (cd "$OUT" && tar czf results.tgz --remove-files ./*.log); exit 0; }
+if has_step profile; then
+for model in $models; do
+  for precision in $precisions; do
+    timeout 120 python3 "$root/benchmarks/profile_runner_call.py" "$work/$model-$precision" --batch 1 \
+      --out "$OUT/profile/$model-$precision" > "$OUT/profile-$model-$precision.log" 2>&1
+    stamp "profile $model $precision: exit $?"
+    grep -v onnxruntime "$OUT/profile-$model-$precision.log" | head -n 12
+  done
+done
+fi
+
+if has_step serve; then
+  first=$work/${models%% *}-${precisions%% *}
+  timeout 300 python3 "$root/benchmarks/serve_load.py" "$first" --device cuda:0 --requests 100 --out "$OUT/serve" \
+    > "$OUT/serve.log" 2>&1
+  stamp "serve_load $(basename "$first"): exit $?"
+  tail -n 12 "$OUT/serve.log"
+fi
+
+if has_step bench; then
 for model in $models; do
   for precision in $precisions; do  # eager and reduce-overhead in the bundle's precision only
     keys=ort-deploykit,ort-cuda-graph,aoti-static,deploykit-load
@@ -84,4 +108,5 @@ python3 "$root/benchmarks/summarize_issue13.py" "$OUT" > "$OUT/summary.md"
 cat "$OUT/summary.md"
 mkdir -p "$OUT/manifests"
 for bundle in "$work"/*-fp*; do cp "$bundle/manifest.json" "$OUT/manifests/$(basename "$bundle").json"; done
-(cd "$OUT" && tar czf results.tgz --remove-files ./*-fp*/ manifests ./*.log)
+fi
+(cd "$OUT" && tar czf results.tgz --remove-files --ignore-failed-read ./*-fp*/ manifests serve profile ./*.log 2>/dev/null)
