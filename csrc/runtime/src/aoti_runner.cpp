@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <map>
 
@@ -24,7 +23,6 @@
 namespace deploykit::detail {
 namespace {
 
-namespace fs = std::filesystem;
 
 at::ScalarType to_torch(DType dtype) {
   switch (dtype) {
@@ -57,14 +55,13 @@ class PrivateCopy {
     std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/deploykit-aoti-XXXXXX";
     if (!mkdtemp(pattern.data())) fail(ErrorKind::Environment, "cannot make a temporary folder in " + pattern);
     directory_ = pattern;
-    path_ = directory_ + "/" + fs::path(name).filename().string();
+    path_ = directory_ + "/" + name.substr(name.rfind('/') + 1);
     std::ofstream out(path_, std::ios::binary);
     out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
     if (!out.flush()) fail(ErrorKind::Environment, "cannot write " + path_);
   }
-  // unlink and rmdir, not std::filesystem::remove_all: libtorch 2.11's libtorch.so exports its own
-  // std::filesystem functions, this program's calls bind to them, and its remove_all calls a null
-  // pointer (a segfault on every AOTInductor run, seen with torch 2.11.0+cu130).
+  // unlink and rmdir, not std::filesystem::remove_all (internal.hpp says why: libtorch 2.11's copy
+  // segfaulted on every AOTInductor run, seen with torch 2.11.0+cu130).
   ~PrivateCopy() {
     ::unlink(path_.c_str());
     ::rmdir(directory_.c_str());

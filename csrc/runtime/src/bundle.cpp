@@ -4,12 +4,11 @@
 
 #include <openssl/evp.h>
 
-#include <filesystem>
+#include <algorithm>
 
 namespace deploykit::detail {
 namespace {
 
-namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 constexpr const char* kFormat = "deploykit-bundle";
@@ -109,27 +108,30 @@ std::string sha256_hex(const std::vector<unsigned char>& bytes) {
 }  // namespace
 
 Bundle::Bundle(const std::string& directory) {
-  std::error_code error;
-  directory_ = fs::canonical(directory, error).string();
-  if (error) fail(ErrorKind::BadInput, "cannot open bundle " + directory + ": " + error.message());
+  std::string error;
+  directory_ = real_path(directory, &error);
+  if (directory_.empty()) fail(ErrorKind::BadInput, "cannot open bundle " + directory + ": " + error);
   manifest_ = read_manifest(directory_);
 }
 
 std::string Bundle::inside(const std::string& name) const {
-  fs::path relative(name);
   bool climbs = false;
-  for (const auto& part : relative) climbs = climbs || part == "..";
-  if (name.empty() || relative.is_absolute() || climbs) {
+  for (size_t start = 0; start <= name.size();) {
+    size_t end = std::min(name.find('/', start), name.size());
+    climbs = climbs || name.compare(start, end - start, "..") == 0;
+    start = end + 1;
+  }
+  if (name.empty() || name[0] == '/' || climbs) {
     fail(ErrorKind::BadInput, directory_ + "/manifest.json names '" + name +
                                   "', which is not a path inside the bundle: refusing the bundle");
   }
-  std::error_code error;
-  std::string real = fs::canonical(fs::path(directory_) / relative, error).string();
-  if (error) fail(ErrorKind::BadInput, directory_ + "/" + name + " is missing: the bundle is incomplete");
+  std::string error;
+  std::string real = real_path(directory_ + "/" + name, &error);
+  if (real.empty()) fail(ErrorKind::BadInput, directory_ + "/" + name + " is missing: the bundle is incomplete");
   if (real.compare(0, directory_.size() + 1, directory_ + "/") != 0) {
     fail(ErrorKind::BadInput, directory_ + "/" + name + " leads out of the bundle (to " + real + "): refusing the bundle");
   }
-  if (!fs::is_regular_file(real)) fail(ErrorKind::BadInput, directory_ + "/" + name + " is not a file");
+  if (!file_exists(real)) fail(ErrorKind::BadInput, directory_ + "/" + name + " is not a file");
   return real;
 }
 
@@ -244,9 +246,9 @@ std::vector<TensorInfo> Bundle::tensors(const std::string& key) const {
 }
 
 bool Bundle::contains(const std::string& path, std::string* relative) const {
-  std::error_code error;
-  std::string real = fs::weakly_canonical(path, error).string();
-  if (error || real.compare(0, directory_.size() + 1, directory_ + "/") != 0) return false;
+  std::string error;
+  std::string real = real_path(path, &error);  // a path that does not exist is no file of the bundle
+  if (real.empty() || real.compare(0, directory_.size() + 1, directory_ + "/") != 0) return false;
   *relative = real.substr(directory_.size() + 1);
   return true;
 }

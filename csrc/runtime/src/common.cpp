@@ -3,6 +3,8 @@
 #include <sys/stat.h>
 
 #include <cctype>
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <numeric>
@@ -156,6 +158,35 @@ void fail(ErrorKind kind, const std::string& message) { throw Error(kind, messag
 bool file_exists(const std::string& path) {
   struct stat info {};
   return stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode);
+}
+
+std::string real_path(const std::string& path, std::string* error) {
+  char* resolved = realpath(path.c_str(), nullptr);
+  if (!resolved) {
+    *error = std::strerror(errno);
+    return "";
+  }
+  std::string real(resolved);
+  std::free(resolved);
+  return real;
+}
+
+bool make_directories(const std::string& path, std::string* error) {
+  for (size_t end = path.find('/', 1);; end = path.find('/', end + 1)) {
+    std::string prefix = path.substr(0, end);
+    struct stat info {};
+    if (!prefix.empty() && mkdir(prefix.c_str(), 0777) != 0 && errno != EEXIST) {
+      *error = std::strerror(errno);
+      return false;
+    }
+    if (end == std::string::npos) {
+      if (stat(path.c_str(), &info) != 0 || !S_ISDIR(info.st_mode)) {
+        *error = "a file of that name is in the way";
+        return false;
+      }
+      return true;
+    }
+  }
 }
 
 std::vector<unsigned char> read_file(const std::string& path) {

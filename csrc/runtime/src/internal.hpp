@@ -11,6 +11,11 @@ namespace deploykit::detail {
 
 [[noreturn]] void fail(ErrorKind kind, const std::string& message);
 bool file_exists(const std::string& path);
+// Paths through POSIX calls, not std::filesystem: libtorch's libraries export copies of std::filesystem
+// that calls from a program linking libtorch bind to, and libtorch 2.11's remove_all among them calls a
+// null pointer. real_path: realpath(3), "" with *error set when the path cannot be resolved.
+std::string real_path(const std::string& path, std::string* error);
+bool make_directories(const std::string& path, std::string* error);  // mkdir -p; false with *error
 std::vector<unsigned char> read_file(const std::string& path);
 void* open_library(const std::vector<std::string>& candidates, const std::string& what, std::string* opened);
 void check_input(const TensorInfo& info, const Tensor& tensor);

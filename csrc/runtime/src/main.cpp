@@ -11,11 +11,10 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <string>
-#include <system_error>
 
 #include "deploykit/runtime.hpp"
+#include "internal.hpp"
 
 namespace {
 
@@ -125,13 +124,10 @@ deploykit::Tensors read_inputs(const Arguments& args, const deploykit::Runner& r
 
 // OUT_DIR and its parents are created once the run succeeded, so a failed run leaves no folder behind.
 void make_output_dir(const std::string& dir) {
-  std::error_code error;
-  std::filesystem::create_directories(dir, error);
-  if (error || !std::filesystem::is_directory(dir)) {
+  std::string error;
+  if (!deploykit::detail::make_directories(dir, &error)) {
     throw deploykit::Error(deploykit::ErrorKind::BadInput,
-                           "cannot create the output folder " + dir + " (" +
-                               (error ? error.message() : "a file of that name is in the way") +
-                               "): pass -o a folder you can write");
+                           "cannot create the output folder " + dir + " (" + error + "): pass -o a folder you can write");
   }
 }
 
