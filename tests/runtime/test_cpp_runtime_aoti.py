@@ -219,3 +219,13 @@ def test_configure_fails_clearly_when_libtorch_is_required_and_missing(tmp_path,
                                 f"-DDEPLOYKIT_WITH_LIBTORCH={value}", f"-DCMAKE_PREFIX_PATH={tmp_path}",
                                 "-DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF"], capture_output=True, text=True)
     assert configure.returncode != 0 and message in configure.stdout + configure.stderr
+
+
+def test_the_libtorch_build_calls_no_std_filesystem_function(built):
+    """libtorch's libraries export their own copies of std::filesystem, and a program linking libtorch
+    binds its calls to them: torch 2.11's remove_all crashed deploykit-run on every AOTInductor run.
+    The runtime goes through POSIX calls instead, so it imports none of those functions."""
+    executable, _ = built
+    imported = subprocess.run(["nm", "-u", "-C", executable], capture_output=True, text=True, check=True).stdout
+    assert "std::filesystem" not in imported
+    assert "libtorch" in subprocess.run(["ldd", executable], capture_output=True, text=True, check=True).stdout
