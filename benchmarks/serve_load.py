@@ -246,4 +246,9 @@ def markdown(results: list[dict], args) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from deploykit.errors import DeployKitError
+
+    try:
+        sys.exit(main())
+    except DeployKitError as error:  # a bundle that does not open or run: its one-line message
+        sys.exit(f"serve_load: {error}")
