@@ -1,4 +1,4 @@
-"""Calls into a session on the CUDA provider at, or below, ONNX Runtime's own floor.
+"""Calls into a session on the CUDA provider with as little work per call as the shapes allow.
 
 Everything a call needs that depends only on the input shapes is made once per shape: the
 IOBinding, the output buffers and, with CUDA graphs, input buffers at fixed addresses and the
