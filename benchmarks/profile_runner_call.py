@@ -93,11 +93,9 @@ def runner_parts(runner, on_gpu: dict) -> dict:
     tensors = list(on_gpu.values())
 
     def copies():
-        torch._foreach_copy_(list(plan.inputs.values()), tensors, non_blocking=True)
+        runs.copy_inputs(plan, tensors)
         plan.graph.replay()
-        results = [torch.empty_like(buffer) for buffer in plan.outputs]
-        torch._foreach_copy_(results, plan.outputs, non_blocking=True)
-        return results
+        return runs.copy_outputs(plan)
 
     return {"planned": lambda: runs.run(given, runner.output_shapes), "copies": copies,
             "replay": plan.graph.replay}

@@ -23,7 +23,6 @@
 namespace deploykit::detail {
 namespace {
 
-
 at::ScalarType to_torch(DType dtype) {
   switch (dtype) {
     case DType::Float32: return at::kFloat;

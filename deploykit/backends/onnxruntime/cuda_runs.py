@@ -53,7 +53,11 @@ class ShapePlan:
     outputs: list | None = None
     graph: object = None  # torch.cuda.CUDAGraph
     runs: int = 0
-    uncapturable: bool = False
+
+    @property
+    def uncapturable(self) -> bool:
+        """Its capture was tried (on run ``WARMUP_RUNS`` + 1) and failed: it runs uncaptured."""
+        return self.inputs is not None and self.graph is None and self.runs > WARMUP_RUNS
 
 
 class CudaRuns:
@@ -101,31 +105,37 @@ class CudaRuns:
             yield
 
     def _captures_next(self, plan: ShapePlan) -> bool:
-        return plan.inputs is not None and plan.graph is None and not plan.uncapturable and plan.runs == WARMUP_RUNS
+        return plan.inputs is not None and plan.graph is None and plan.runs == WARMUP_RUNS
 
     def _run(self, plan: ShapePlan, given: dict[str, Feed]) -> list:
         """A replay is queued on the caller's stream itself; a run of the session on the session's
         stream, between events. Either way the call is ordered after the session's last call, which
         may have come from another stream."""
-        torch = self.torch
-        caller = torch.cuda.current_stream(self.device_id)
+        caller = self.torch.cuda.current_stream(self.device_id)
         if self._last is not None and self._last != caller:
             caller.wait_stream(self._last)
         self._last = caller
         tensors = [self._tensor(feed) for feed in given.values()]
         if plan.inputs is None:
             return self._run_bound(plan, given, tensors, caller)
-        torch._foreach_copy_(list(plan.inputs.values()), tensors, non_blocking=True)
-        if plan.graph is None and self._captures_next(plan):
+        self.copy_inputs(plan, tensors)
+        if self._captures_next(plan):
             plan.graph = self._capture(plan)
-            plan.uncapturable = plan.graph is None
         plan.runs += 1
         if plan.graph is not None:
             plan.graph.replay()
         else:
-            self._on_session_stream(caller, lambda: self.session.run_with_iobinding(plan.binding, self.options))
-        results = [torch.empty_like(buffer) for buffer in plan.outputs]  # the next replay overwrites them
-        torch._foreach_copy_(results, plan.outputs, non_blocking=True)
+            self._run_session(plan, caller)
+        return self.copy_outputs(plan)
+
+    def copy_inputs(self, plan: ShapePlan, tensors: list) -> None:
+        """The call's inputs into the plan's graph buffers, on the current stream."""
+        self.torch._foreach_copy_(list(plan.inputs.values()), tensors, non_blocking=True)
+
+    def copy_outputs(self, plan: ShapePlan) -> list:
+        """Copies of the plan's graph outputs, the caller's to keep (the next replay overwrites them)."""
+        results = [self.torch.empty_like(buffer) for buffer in plan.outputs]
+        self.torch._foreach_copy_(results, plan.outputs, non_blocking=True)
         return results
 
     def _run_bound(self, plan: ShapePlan, given: dict[str, Feed], tensors: list, caller) -> list:
@@ -136,14 +146,14 @@ class CudaRuns:
         for spec, tensor in zip(self.specs, results):
             self._bind_output(plan.binding, spec["name"], tensor)
         plan.runs += 1
-        self._on_session_stream(caller, lambda: self.session.run_with_iobinding(plan.binding, self.options))
+        self._run_session(plan, caller)
         return results
 
-    def _on_session_stream(self, caller, work) -> None:
-        """``work`` queued on the session's stream, after the caller's work so far and before its next."""
+    def _run_session(self, plan: ShapePlan, caller) -> None:
+        """The plan's binding run on the session's stream, after the caller's work so far and before its next."""
         if self.stream != caller:
             self.stream.wait_stream(caller)
-        work()
+        self.session.run_with_iobinding(plan.binding, self.options)
         if self.stream != caller:
             caller.wait_stream(self.stream)
 
