@@ -333,10 +333,12 @@ def _ort_cuda_graph(bundle, device, tf32: bool, trust_native: bool):
     return lambda: functools.partial(cuda_graph_step, bundle, tf32, trust_native)
 
 
-def cuda_graph_step(bundle: runtime.Bundle, tf32: bool, trust_native: bool, feeds: dict) -> Step:
+def cuda_graph_step(bundle: runtime.Bundle, tf32: bool, trust_native: bool, feeds: dict, *,
+                    copy_from: list | None = None) -> Step:
     """ONNX Runtime's floor, which the runner is measured against: a session per batch size with a
     CUDA graph, bound once to inputs already in place and to preallocated outputs (nothing a
-    runner does per call costs less)."""
+    runner does per call costs less). With ``copy_from`` (CUDA tensors, one per input), each call
+    first copies them into the bound inputs, as a hand-written loop over new inputs must."""
     runner = runtime.load_onnxruntime(bundle, "cuda", cuda_graph=True, stream=stream_pointer("cuda"), tf32=tf32,
                                       trust_native=trust_native)
     memory = runtime.TorchMemory(0)
@@ -351,7 +353,11 @@ def cuda_graph_step(bundle: runtime.Bundle, tf32: bool, trust_native: bool, feed
         keep.append(memory.empty(shape, spec["dtype"]))
         binding.bind_output(spec["name"], "cuda", 0, np.dtype(spec["dtype"]), list(shape), keep[-1].data_ptr())
 
+    bound = [feed.value for feed in given.values()]
+
     def step():
+        if copy_from is not None:
+            memory.torch._foreach_copy_(bound, copy_from, non_blocking=True)
         runner.session.run_with_iobinding(binding)
         return keep  # the buffers must outlive the captured graph: the step holds them
 
