@@ -119,3 +119,7 @@ def back_to_back_ms(step, calls: int) -> tuple[float, float]:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / calls, host / calls * 1e3
+
+
+if __name__ == "__main__":
+    main()
