@@ -75,3 +75,64 @@ def test_around_picks_alone_only_for_a_call_that_may_capture():
         waited = time.perf_counter() - started
     thread.join(5)
     assert waited > 0.03
+
+
+def test_a_capture_starts_when_the_last_of_its_runs_ends():
+    """A run that ends wakes a waiting capture only once no run is left (the one wake-up a run gives)."""
+    lock, events, inside = CaptureLock(), [], threading.Barrier(3, timeout=5)
+    release = [threading.Event(), threading.Event()]
+
+    def run(index):
+        with lock.shared():
+            inside.wait()
+            release[index].wait(5)
+            events.append(f"run {index} ends")
+
+    def capture():
+        with lock.alone():
+            events.append("capture")
+
+    runs = [_in_thread(lambda index=index: run(index)) for index in range(2)]
+    inside.wait()
+    capturing = _in_thread(capture)
+    release[0].set()
+    runs[0].join(5)
+    time.sleep(0.05)
+    assert events == ["run 0 ends"]  # one run left: the capture still waits
+    release[1].set()
+    for thread in (runs[1], capturing):
+        thread.join(5)
+    assert events == ["run 0 ends", "run 1 ends", "capture"]
+
+
+def test_captures_waiting_together_take_turns_before_any_later_run():
+    lock, events = CaptureLock(), []
+    run_started, release_run = threading.Event(), threading.Event()
+
+    def long_run():
+        with lock.shared():
+            run_started.set()
+            release_run.wait(5)
+
+    def capture(index):
+        with lock.alone():
+            events.append(f"capture {index}")
+            time.sleep(0.02)
+            events.append(f"capture {index} ends")
+
+    def later_run():
+        with lock.shared():
+            events.append("later run")
+
+    first = _in_thread(long_run)
+    run_started.wait(5)
+    captures = [_in_thread(lambda index=index: capture(index)) for index in range(2)]
+    time.sleep(0.05)
+    later = _in_thread(later_run)
+    time.sleep(0.05)
+    release_run.set()
+    for thread in (first, *captures, later):
+        thread.join(5)
+    first_capture, second_capture = events[0], events[2]
+    assert events == [first_capture, f"{first_capture} ends", second_capture, f"{second_capture} ends", "later run"]
+    assert {first_capture, second_capture} == {"capture 0", "capture 1"}

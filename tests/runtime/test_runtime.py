@@ -97,6 +97,40 @@ def test_unvalidated_batch_runs_when_allowed_and_says_so(tabular):
     assert runner.describe()["notes"] == runner.notes
 
 
+def test_inputs_that_passed_their_checks_pass_again_others_are_checked_on_every_call(tabular, features):
+    """A runner remembers the shapes and dtypes that passed its checks; a batch outside the validated
+    range is checked, and noted, on every call, and a shape that passed is refused in another dtype."""
+    runner = deploykit.load(tabular, device="cpu", allow_unvalidated=True)
+    for _ in range(2):
+        assert runner(features)["output_0"].shape == (3, 4)
+    with pytest.raises(BadInputError, match="is float64, the model takes float32"):
+        runner(features.astype(np.float64))
+    for _ in range(2):
+        runner.notes.clear()
+        runner(np.zeros((6, 13), np.float32))
+        assert runner.notes == ["input features has batch 6, outside 1..4: its outputs were not validated "
+                                "(the bundle was validated for that range only)"]
+
+
+def test_torch_inputs_that_require_grad_or_are_strided(tabular, features):
+    runner = deploykit.load(tabular, device="cpu")
+    want = runner(features)
+    requiring_grad = torch.from_numpy(features.copy()).requires_grad_()
+    strided = torch.from_numpy(np.asfortranarray(features))
+    assert not strided.is_contiguous()
+    for tensor in (requiring_grad, strided):
+        got = runner(features=tensor)
+        for name in runner.output_names:
+            np.testing.assert_array_equal(got[name].numpy(), want[name])
+    assert np.shares_memory(runtime.as_feed("features", requiring_grad).value, requiring_grad.detach().numpy())
+
+
+def test_keywords_given_beside_a_dict_take_its_place(tabular, features):
+    given = runtime.collect_feeds({"features": np.zeros_like(features)}, {"features": features},
+                                  deploykit.load(tabular, device="cpu").inputs)
+    assert given["features"].value is features
+
+
 def test_failed_validation_refused_unless_allowed(tmp_path, features):
     bundle = copy_bundle("tabular", tmp_path)
     edit_manifest(bundle, lambda m: m["validation"].update(passed=False))

@@ -357,7 +357,8 @@ def test_bench_times_the_aoti_packages_by_kind(aoti_bundle, tmp_path):
 
 
 def test_a_tuned_call_checks_its_feeds_once(tuned, monkeypatch):
-    """The tuned runner reads the batch only; the runner it routes to checks the feeds."""
+    """The tuned runner reads the batch only; the runner it routes to checks the feeds, once per
+    shape (``Runner.checked_feeds`` remembers the shapes that passed)."""
     from deploykit.backends.base import feeds as checking
 
     runner = deploykit.load(tuned, device="cpu")
@@ -367,7 +368,9 @@ def test_a_tuned_call_checks_its_feeds_once(tuned, monkeypatch):
     feeds = runtime.random_inputs(runner.inputs, 2)
     assert runner(feeds).keys() == set(runner.output_names) and len(collected) == 1
     [name] = runner.input_names
-    assert runner(feeds[name]).keys() == set(runner.output_names) and len(collected) == 2
+    assert runner(feeds[name]).keys() == set(runner.output_names) and len(collected) == 1
+    assert runner(runtime.random_inputs(runner.inputs, 3)[name]).keys() == set(runner.output_names)
+    assert len(collected) == 2
     with pytest.raises(BadInputError, match=f"missing {name}"):
         runner({})
 

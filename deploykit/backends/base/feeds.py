@@ -8,8 +8,8 @@ import dataclasses
 import functools
 import sys
 import warnings
+from collections.abc import Mapping  # not typing.Mapping, whose isinstance() costs more
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 
@@ -63,17 +63,17 @@ def _numpy_dtype_of_torch(dtype) -> np.dtype:
     return np.dtype(_torch_dtype_name(dtype))
 
 
+@functools.lru_cache(maxsize=None)
+def _device_name(device) -> str:
+    """Cached: str() of a torch.device costs more than this lookup, on every CUDA input of every call."""
+    return str(device)
+
+
 def as_feed(name: str, value) -> Feed:
     """Classify one input value without copying it (torch CPU tensors become numpy views)."""
     torch = imported_torch()
     if torch is not None and isinstance(value, torch.Tensor):
-        tensor = value.detach().contiguous()
-        if tensor.dtype == torch.bfloat16:
-            raise BadInputError(f"input {name} is bfloat16: deploykit bundles take the dtype in their manifest")
-        dtype = _numpy_dtype_of_torch(tensor.dtype)
-        if tensor.is_cuda:
-            return Feed(name, tensor, tuple(tensor.shape), dtype, True, str(tensor.device))
-        return Feed(name, tensor.numpy(), tuple(tensor.shape), dtype, False, "cpu")
+        return _torch_feed(name, value, torch)
     interface = getattr(value, "__cuda_array_interface__", None)
     if interface is not None:
         if interface.get("strides") not in (None, _c_strides(interface)):
@@ -81,6 +81,21 @@ def as_feed(name: str, value) -> Feed:
         return Feed(name, value, tuple(interface["shape"]), np.dtype(interface["typestr"]), True)
     array = np.ascontiguousarray(value)
     return Feed(name, array, array.shape, array.dtype, False)
+
+
+def _torch_feed(name: str, tensor, torch) -> Feed:
+    """A torch tensor's feed, detached only when it requires grad: detach() makes a new tensor
+    object on every call, though only one that requires grad has anything to detach (and numpy()
+    refuses only that one). contiguous() returns the tensor itself when it is contiguous already."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    tensor = tensor.contiguous()
+    if tensor.dtype == torch.bfloat16:
+        raise BadInputError(f"input {name} is bfloat16: deploykit bundles take the dtype in their manifest")
+    dtype = _numpy_dtype_of_torch(tensor.dtype)
+    if tensor.is_cuda:
+        return Feed(name, tensor, tuple(tensor.shape), dtype, True, _device_name(tensor.device))
+    return Feed(name, tensor.numpy(), tuple(tensor.shape), dtype, False, "cpu")
 
 
 def _c_strides(interface: dict) -> tuple[int, ...]:
@@ -93,21 +108,25 @@ def _c_strides(interface: dict) -> tuple[int, ...]:
 
 def collect_feeds(feeds, named: Mapping, specs: list[dict]) -> dict[str, Feed]:
     """Inputs by name (a dict, keywords, or one bare array for a one-input model), checked."""
+    given = gathered_feeds(feeds, named, specs)
+    check_feeds(given, specs)
+    return given
+
+
+def gathered_feeds(feeds, named: Mapping, specs: list[dict]) -> dict[str, Feed]:
+    """Inputs by name, in the specs' order, classified but not yet checked (``check_feeds``)."""
     if feeds is not None and not isinstance(feeds, Mapping):
         if len(specs) != 1:
             raise BadInputError(f"the model takes {len(specs)} inputs ({', '.join(s['name'] for s in specs)}): "
                                 "pass them by name")
         feeds = {specs[0]["name"]: feeds}
-    given = {**(feeds or {}), **named}
+    given = _merged(feeds, named)
     names = [spec["name"] for spec in specs]
-    if len(given) != len(names) or not all(name in given for name in names):
+    if given.keys() != set(names):
         unknown, missing = sorted(set(given) - set(names)), [n for n in names if n not in given]
         problem = f"no input named {', '.join(unknown)}" if unknown else f"missing {', '.join(missing)}"
         raise BadInputError(f"{problem}; the model takes {describe_inputs(specs)}")
-    result = {name: as_feed(name, given[name]) for name in names}
-    for spec in specs:
-        check_feed(result[spec["name"]], spec)
-    return result
+    return {name: as_feed(name, given[name]) for name in names}
 
 
 def given_batch(feeds, named: Mapping, specs: list[dict]) -> int | None:
@@ -116,12 +135,20 @@ def given_batch(feeds, named: Mapping, specs: list[dict]) -> int | None:
     if feeds is not None and not isinstance(feeds, Mapping):
         value = feeds
     else:
-        value = {**(feeds or {}), **named}.get(specs[0]["name"])
+        value = _merged(feeds, named).get(specs[0]["name"])
     if value is None:
         return None
     interface = getattr(value, "__cuda_array_interface__", None)
     shape = interface["shape"] if interface is not None else np.shape(value)
     return int(shape[0]) if len(shape) else 1
+
+
+def _merged(feeds: Mapping | None, named: Mapping) -> Mapping:
+    """A call's inputs given by mapping and by keyword, in one mapping; the one given as it is when
+    the other is empty, as a call gives one or the other (a new dict for every call costs)."""
+    if not named:
+        return feeds or named
+    return {**feeds, **named} if feeds else named
 
 
 def describe_inputs(specs: list[dict]) -> str:
@@ -142,17 +169,32 @@ def dtype_mismatch(name: str, given: np.dtype, wanted: str) -> str:
     return f"input {name} is {given}, the model takes {wanted}"
 
 
+def check_feeds(given: Mapping[str, Feed], specs: list[dict]) -> None:
+    """``check_feed`` for every input, once all are classified (as ``as_feed`` refuses first)."""
+    for spec in specs:
+        check_feed(given[spec["name"]], spec)
+
+
 def check_feed(feed: Feed, spec: dict) -> None:
     """Dtype, rank and static sizes must match the manifest (runtimes report these obscurely).
     No cast here: the caller holds the array and decides what a cast may lose."""
     if feed.dtype != _spec_dtype(spec["dtype"]):
         raise BadInputError(f"{dtype_mismatch(feed.name, feed.dtype, spec['dtype'])}: convert it first "
                             f"(e.g. x.astype(numpy.{spec['dtype']}))")
-    if len(feed.shape) != len(spec["shape"]) or any(
-        isinstance(d, int) and d > 0 and d != g for d, g in zip(spec["shape"], feed.shape)
-    ):
+    if not _shape_fits(feed.shape, spec["shape"]):
         want = "x".join(map(str, spec["shape"]))
         raise BadInputError(f"input {feed.name} has shape {'x'.join(map(str, feed.shape))}, the model takes {want}")
+
+
+def _shape_fits(shape: tuple[int, ...], wanted: list) -> bool:
+    """The rank, and every static size (a positive int in the spec). A loop, not any() over a
+    generator, whose frames cost more than the comparisons, for every input of every call."""
+    if len(shape) != len(wanted):
+        return False
+    for size, dim in zip(shape, wanted):
+        if isinstance(dim, int) and dim > 0 and dim != size:
+            return False
+    return True
 
 
 @functools.lru_cache(maxsize=None)

@@ -102,12 +102,16 @@ class TorchMemory:
     def synchronize(self) -> None:
         self.torch.cuda.current_stream(self.device).synchronize()
 
+    @staticmethod
+    def delivers_as_is(kind: str, device: str | None) -> bool:
+        """Whether ``deliver`` hands a CUDA tensor over as it is (torch CUDA inputs, CUDA arrays):
+        a caller with many outputs then need not call it for each."""
+        return kind == "device" or (kind == "torch" and device != "cpu")
+
     def deliver(self, tensor, kind: str, device: str | None):
-        if kind == "torch":
-            return tensor if device != "cpu" else tensor.cpu()
-        if kind == "device":
+        if self.delivers_as_is(kind, device):
             return tensor
-        return torch_to_host(tensor)
+        return tensor.cpu() if kind == "torch" else torch_to_host(tensor)
 
 
 def torch_from_host(array: np.ndarray):

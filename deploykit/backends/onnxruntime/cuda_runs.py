@@ -19,6 +19,9 @@ shape's memory in ONNX Runtime's arena and cuDNN's algorithms chosen, so a shape
 (``backends.base.capture``); replays share it. A graph replays ONNX Runtime's intermediate
 buffers of the run it captured, so the calls of one session take turns (its own lock).
 
+All of a call's streams are on the session's device, so they are told apart by their handles
+(``cuda_stream``): a torch Stream's ``==`` is Python, on every call's path.
+
 Needs torch (its allocator, streams, events and graphs); without torch the runner binds pointers
 and lets ONNX Runtime synchronise (``OnnxRuntimeRunner``).
 """
@@ -49,7 +52,7 @@ class ShapePlan:
 
     binding: object
     output_shapes: list[tuple[int, ...]]
-    inputs: dict | None = None
+    inputs: list | None = None  # in the order of the call's inputs
     outputs: list | None = None
     graph: object = None  # torch.cuda.CUDAGraph
     runs: int = 0
@@ -70,6 +73,7 @@ class CudaRuns:
 
         self.torch, self.session, self.specs = torch, session, output_specs
         self.device, self.device_id = torch.device("cuda", device_id), device_id
+        self.device_name = str(self.device)  # a torch feed's ``torch_device`` when it is on this GPU
         self.memory = TorchMemory(device_id)
         self.stream, self.graphs = stream, graphs  # the session's torch.cuda.Stream
         self.plans: dict[tuple, ShapePlan | None] = {}  # None: that input shape has no plan
@@ -86,14 +90,15 @@ class CudaRuns:
     def run(self, given: dict[str, Feed], output_shapes) -> list | None:
         """Output tensors (the caller's to keep), or None when the outputs' shapes do not follow from
         the inputs' (no plan can bind them). ``output_shapes(given)`` is asked once per input shape."""
-        key = tuple((name, feed.shape, feed.dtype.str) for name, feed in given.items())
+        key = tuple([(name, feed.shape, feed.dtype) for name, feed in given.items()])
         with self._turns:
             plan = self.plans.get(key)
-            with GPU_WORK.around(plan is not None and self._captures_next(plan)):
-                if key not in self.plans:
+            capturing = plan is not None and self._captures_next(plan)
+            with GPU_WORK.around(capturing):
+                if plan is None and key not in self.plans:  # the shape's first call
                     shapes = output_shapes(given)
                     plan = self.plans[key] = None if None in shapes else self._plan(given, shapes)
-                return None if plan is None else self._run(plan, given)
+                return None if plan is None else self._run(plan, given, capturing)
 
     @contextlib.contextmanager
     def turn(self):
@@ -107,19 +112,19 @@ class CudaRuns:
     def _captures_next(self, plan: ShapePlan) -> bool:
         return plan.inputs is not None and plan.graph is None and plan.runs == WARMUP_RUNS
 
-    def _run(self, plan: ShapePlan, given: dict[str, Feed]) -> list:
+    def _run(self, plan: ShapePlan, given: dict[str, Feed], capturing: bool) -> list:
         """A replay is queued on the caller's stream itself; a run of the session on the session's
         stream, between events. Either way the call is ordered after the session's last call, which
-        may have come from another stream."""
+        may have come from another stream. ``capturing``: this run is the shape's capture."""
         caller = self.torch.cuda.current_stream(self.device_id)
-        if self._last is not None and self._last != caller:
+        if self._last is not None and self._last.cuda_stream != caller.cuda_stream:
             caller.wait_stream(self._last)
         self._last = caller
         tensors = [self._tensor(feed) for feed in given.values()]
         if plan.inputs is None:
             return self._run_bound(plan, given, tensors, caller)
         self.copy_inputs(plan, tensors)
-        if self._captures_next(plan):
+        if capturing:
             plan.graph = self._capture(plan)
         plan.runs += 1
         if plan.graph is not None:
@@ -130,7 +135,7 @@ class CudaRuns:
 
     def copy_inputs(self, plan: ShapePlan, tensors: list) -> None:
         """The call's inputs into the plan's graph buffers, on the current stream."""
-        self.torch._foreach_copy_(list(plan.inputs.values()), tensors, non_blocking=True)
+        self.torch._foreach_copy_(plan.inputs, tensors, non_blocking=True)
 
     def copy_outputs(self, plan: ShapePlan) -> list:
         """Copies of the plan's graph outputs, the caller's to keep (the next replay overwrites them)."""
@@ -151,10 +156,11 @@ class CudaRuns:
 
     def _run_session(self, plan: ShapePlan, caller) -> None:
         """The plan's binding run on the session's stream, after the caller's work so far and before its next."""
-        if self.stream != caller:
+        elsewhere = self.stream.cuda_stream != caller.cuda_stream
+        if elsewhere:
             self.stream.wait_stream(caller)
         self.session.run_with_iobinding(plan.binding, self.options)
-        if self.stream != caller:
+        if elsewhere:
             caller.wait_stream(self.stream)
 
     def _capture(self, plan: ShapePlan):
@@ -166,7 +172,7 @@ class CudaRuns:
             with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
                 self.session.run_with_iobinding(plan.binding, self.options)
         except Exception as error:  # noqa: BLE001 - torch's and ONNX Runtime's errors alike
-            shape = "x".join(map(str, next(iter(plan.inputs.values())).shape))
+            shape = "x".join(map(str, plan.inputs[0].shape))
             self.notes.append(f"input shape {shape} runs without a CUDA graph: its capture failed "
                               f"({error_summary(error)[:200]})")
             return None
@@ -175,10 +181,10 @@ class CudaRuns:
     def _plan(self, given: dict[str, Feed], shapes: list[tuple[int, ...]]) -> ShapePlan:
         plan = ShapePlan(self.session.io_binding(), shapes)
         if self.graphs:
-            plan.inputs = {name: self.torch.empty(feed.shape, dtype=_torch_dtype(feed.dtype.name), device=self.device)
-                           for name, feed in given.items()}
+            plan.inputs = [self.torch.empty(feed.shape, dtype=_torch_dtype(feed.dtype.name), device=self.device)
+                           for feed in given.values()]
             plan.outputs = self._empty_outputs(shapes)
-            for name, tensor in plan.inputs.items():
+            for name, tensor in zip(given, plan.inputs):
                 self._bind_input(plan.binding, name, tensor)
             for spec, tensor in zip(self.specs, plan.outputs):
                 self._bind_output(plan.binding, spec["name"], tensor)
@@ -191,9 +197,10 @@ class CudaRuns:
     def _tensor(self, feed: Feed):
         """A feed as a CUDA tensor on this device (host arrays are copied over, CUDA arrays wrapped)."""
         torch = self.torch
+        if feed.torch_device == self.device_name:
+            return feed.value
         if feed.torch_device is not None and feed.on_device:
-            tensor = feed.value
-            return tensor if tensor.device == self.device else tensor.to(self.device)
+            return feed.value.to(self.device)
         if feed.on_device:
             return torch.as_tensor(feed.value, device=self.device)
         return self.memory.to_device(feed.value)

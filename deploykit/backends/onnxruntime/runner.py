@@ -60,8 +60,10 @@ class OnnxRuntimeRunner(Runner):
         given = self.checked_feeds(feeds, named)
         kind, device = output_kind(given)
         if self.cuda_runs is not None and (outputs := self.cuda_runs.run(given, self.output_shapes)) is not None:
-            deliver = self.cuda_runs.memory.deliver
-            return {name: deliver(tensor, kind, device) for name, tensor in zip(self.output_names, outputs)}
+            memory = self.cuda_runs.memory
+            if memory.delivers_as_is(kind, device):
+                return dict(zip(self.output_names, outputs))
+            return {name: memory.deliver(tensor, kind, device) for name, tensor in zip(self.output_names, outputs)}
         if self.device != "cuda":
             return self._run_host(given, kind, device)
         turn = self.cuda_runs.turn() if self.cuda_runs is not None else contextlib.nullcontext()
