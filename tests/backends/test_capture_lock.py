@@ -14,6 +14,30 @@ def _in_thread(target) -> threading.Thread:
     return thread
 
 
+def _held_run(lock: CaptureLock, events: list, ending: str | None = None):
+    """A run inside the lock until the returned event is set (``ending`` recorded as it ends)."""
+    started, release = threading.Event(), threading.Event()
+
+    def run():
+        with lock.shared():
+            started.set()
+            release.wait(5)
+            if ending:
+                events.append(ending)
+
+    thread = _in_thread(run)
+    started.wait(5)
+    return thread, release
+
+
+def _later_run(lock: CaptureLock, events: list):
+    def run():
+        with lock.shared():
+            events.append("later run")
+
+    return _in_thread(run)
+
+
 def test_runs_share_the_lock():
     lock, both_inside = CaptureLock(), threading.Barrier(2, timeout=5)
 
@@ -29,13 +53,6 @@ def test_runs_share_the_lock():
 
 def test_a_capture_waits_for_running_calls_and_holds_back_new_ones():
     lock, events = CaptureLock(), []
-    run_started, release_run = threading.Event(), threading.Event()
-
-    def long_run():
-        with lock.shared():
-            run_started.set()
-            release_run.wait(5)
-            events.append("first run ends")
 
     def capture():
         with lock.alone():
@@ -43,15 +60,10 @@ def test_a_capture_waits_for_running_calls_and_holds_back_new_ones():
             time.sleep(0.05)
             events.append("capture ends")
 
-    def later_run():
-        with lock.shared():
-            events.append("later run")
-
-    first = _in_thread(long_run)
-    run_started.wait(5)
+    first, release_run = _held_run(lock, events, "first run ends")
     capturing = _in_thread(capture)
     time.sleep(0.05)  # the capture is waiting now: a run that comes after it must wait too
-    later = _in_thread(later_run)
+    later = _later_run(lock, events)
     time.sleep(0.05)
     assert events == []
     release_run.set()
@@ -107,12 +119,6 @@ def test_a_capture_starts_when_the_last_of_its_runs_ends():
 
 def test_captures_waiting_together_take_turns_before_any_later_run():
     lock, events = CaptureLock(), []
-    run_started, release_run = threading.Event(), threading.Event()
-
-    def long_run():
-        with lock.shared():
-            run_started.set()
-            release_run.wait(5)
 
     def capture(index):
         with lock.alone():
@@ -120,15 +126,10 @@ def test_captures_waiting_together_take_turns_before_any_later_run():
             time.sleep(0.02)
             events.append(f"capture {index} ends")
 
-    def later_run():
-        with lock.shared():
-            events.append("later run")
-
-    first = _in_thread(long_run)
-    run_started.wait(5)
+    first, release_run = _held_run(lock, events)
     captures = [_in_thread(lambda index=index: capture(index)) for index in range(2)]
     time.sleep(0.05)
-    later = _in_thread(later_run)
+    later = _later_run(lock, events)
     time.sleep(0.05)
     release_run.set()
     for thread in (first, *captures, later):
