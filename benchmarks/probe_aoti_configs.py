@@ -4,6 +4,7 @@ source model under reduce-overhead against AOTInductor packages compiled with di
 settings, each replayed as a CUDA graph the way deploykit's runner replays it.
 
     python3 benchmarks/probe_aoti_configs.py --out $OUT [--model resnet50] [--batch 32] [--precision fp32]
+        [--variants 'aoti default,aoti freezing']
 
 Writes probe_aoti_configs.md / .json to --out: per variant, compile seconds and the median of
 the per-round median ms (deploykit.tuning.timing's interleaved rounds, as bench times). GPU only.
@@ -56,7 +57,12 @@ def main() -> None:
     parser.add_argument("--precision", choices=["fp32", "fp16"], default="fp32")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--variants", type=lambda text: text.split(","), default=list(VARIANTS),
+                        help=f"comma-separated, of: {', '.join(VARIANTS)} (default: all)")
     args = parser.parse_args()
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variant {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     dtype = torch.float32 if args.precision == "fp32" else torch.float16
     torch.manual_seed(0)
@@ -68,7 +74,8 @@ def main() -> None:
         steps["reduce-overhead"] = reduce_overhead_step(model, example)
         steps["reduce-overhead"]()
         compile_s["reduce-overhead"] = time.perf_counter() - start
-        for name, (configs, channels_last) in VARIANTS.items():
+        for name in args.variants:
+            configs, channels_last = VARIANTS[name]
             start = time.perf_counter()
             try:
                 steps[name] = aoti_step(model, example, configs, channels_last, args.out, name.replace(" ", "_"))
