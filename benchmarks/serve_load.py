@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from deploykit.errors import DeployKitError
 from deploykit.serving import launch
 
 DISTINCT_INPUTS = 4
@@ -246,8 +247,6 @@ def markdown(results: list[dict], args) -> str:
 
 
 if __name__ == "__main__":
-    from deploykit.errors import DeployKitError
-
     try:
         sys.exit(main())
     except DeployKitError as error:  # a bundle that does not open or run: its one-line message
