@@ -21,8 +21,9 @@ demo: install
 	$(PY) $(DEMO)/build_model.py $(DEMO)/model.pt2
 	$(VENV)/bin/deploykit convert $(DEMO)/model.pt2 -o $(DEMO)/out --batch 1:4:8 --force
 
+# One pytest worker a core; a test module's tests stay on one worker (its module-scoped bundles are made once).
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadscope
 
 clean:
 	rm -rf $(VENV) $(DEMO)/model.pt2 $(DEMO)/out
