@@ -18,9 +18,10 @@ import subprocess
 from pathlib import Path
 
 from deploykit import runtime
-from deploykit.backends.onnxruntime import wheels
+from deploykit.backends.onnxruntime import loader, wheels
 from deploykit.bundle import trust
 from deploykit.bundle.read import FileProblem
+from deploykit.errors import DeployKitError
 
 TORCH_INDEX = "pip install torch --index-url https://download.pytorch.org/whl/cu{cuda}"
 
@@ -159,13 +160,13 @@ def _newest_build() -> dict | None:
 
 
 def _ort_library_loads(path: Path) -> str:
+    """"ok", or why ONNX Runtime will not take the op library: registered through the loader, as
+    every session registers it, so doctor tries what a run would do."""
     try:
-        import onnxruntime as ort
-
-        ort.SessionOptions().register_custom_ops_library(str(path))
+        loader.session_options(op_library=path)
         return "ok"
-    except Exception as error:  # noqa: BLE001
-        return str(error).splitlines()[0][:200]
+    except (DeployKitError, ImportError) as error:
+        return str(error)
 
 
 def _dlopen(path: Path) -> str:
