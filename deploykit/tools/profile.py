@@ -60,11 +60,11 @@ def op_type_table(layers: list[dict]) -> list[dict]:
 
 
 def finish(backend: str, layers: list[dict], timeline: list[dict], runs: int, note: str = "",
-           notes: list[str] = ()) -> dict:
+           notes: list[str] | None = None) -> dict:
     """One backend's section; ``notes``: its runner's (what differs from the conversion), as ``run`` prints them."""
     custom = sum(layer["share"] for layer in layers if layer["custom"])
-    return {"backend": backend, "status": "ok", "runs": runs, "note": note, "notes": list(notes), "layers": layers,
-            "op_types": op_type_table(layers), "timeline": timeline, "custom_share": custom,
+    return {"backend": backend, "status": "ok", "runs": runs, "note": note, "notes": list(notes or []),
+            "layers": layers, "op_types": op_type_table(layers), "timeline": timeline, "custom_share": custom,
             "per_run_ms": sum(layer["total_ms"] for layer in layers) / max(runs, 1)}
 
 
