@@ -137,3 +137,16 @@ def test_private_reach_detector():
 
 def test_no_private_names_across_packages():
     assert private_reaches(modules()) == []
+
+
+def calls_of(method: str, known: dict[str, ast.Module]) -> list[str]:
+    """Each place (module:line) that calls ``something.METHOD(...)``."""
+    return [f"{name}:{node.lineno}" for name, tree in known.items() for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == method]
+
+
+def test_native_code_is_registered_in_one_place():
+    """Only the ONNX Runtime loader registers an op library in a session, so every check (the trust
+    decision's result, the ONNX Runtime version) happens on the one path native code takes."""
+    places = calls_of("register_custom_ops_library", modules())
+    assert [place.partition(":")[0] for place in places] == ["deploykit.backends.onnxruntime.loader"], places

@@ -1,11 +1,19 @@
-"""What several commands print alike: the validation table, notes and failures, the precision trade-off,
-skipped engine targets."""
+"""What several commands print alike: the runner's notes, the validation table, notes and failures, the
+precision trade-off, skipped engine targets."""
 
 from __future__ import annotations
 
 from rich.table import Table
 
 from deploykit.cli._common import console
+
+
+def print_notes(notes, about: str = "") -> None:
+    """What differs from the conversion where a command ran the bundle (a foreign op library swapped
+    for this machine's build, a backend passed over, an unvalidated batch), so nothing is swapped
+    silently: one ``note:`` line each, ``about`` naming whose where a command has several runners."""
+    for note in notes:
+        console.print(f"[yellow]note:[/] {about}{note}", soft_wrap=True)
 
 
 def print_validation_table(candidate: dict) -> None:
@@ -107,5 +115,4 @@ def print_tuning_table(tuning: dict) -> None:
             table.add_row(str(row["batch"]), c["label"], f"{c['p50_ms']:.3f}" if timed else "",
                           "" if c["max_abs"] is None else f"{c['max_abs']:.3g}", verdict)
     console.print(table)
-    for note in tuning.get("notes", []):
-        console.print(f"note: {note}", soft_wrap=True)
+    print_notes(tuning.get("notes", []))

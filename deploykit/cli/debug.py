@@ -11,7 +11,7 @@ from deploykit.cli._common import (
     BUNDLE, EXISTING_FILE, console, echo_json, exit_with_verdict, handle_errors, inputs_option, json_option, seed_option,
     trust_bundle_option, verbose_option,
 )
-from deploykit.cli._printing import print_notes_and_failures, round_lines, tradeoff_lines
+from deploykit.cli._printing import print_notes, print_notes_and_failures, round_lines, tradeoff_lines
 
 #: Rows of the layer-wise table printed without --all.
 _SHOWN_ROWS = 12
@@ -46,20 +46,22 @@ def debug(bundle_dir, layerwise, reference, feeds_path, seed, batch, max_pinned,
         bundle = dbg.open_bundle(bundle_dir, trust_bundle)
         feeds = dbg.bundle_feeds(bundle, feeds_path, seed, batch)
         reference_model = onnx.load(reference) if reference else None
+        head = {"precision": bundle.precision, "notes": bundle.notes}
         if layerwise or bundle.precision == "fp32":
             diffs = dbg.layerwise(bundle, feeds, reference_model)
-            result = {"precision": bundle.precision, "layers": [d.to_json() for d in diffs]}
+            result = {**head, "layers": [d.to_json() for d in diffs]}
             passed = not any(d.diverged for d in diffs)
             printer = lambda: _print_layers(diffs, show_all)  # noqa: E731
         else:
             fix = dbg.fix_bundle(bundle, feeds, max_pinned, reference_model)
             if save:
                 onnx.save_model(fix.result.model, save)
-            result, passed = {"precision": bundle.precision, **fix.to_json()}, fix.passed
+            result, passed = {**head, **fix.to_json()}, fix.passed
             printer = lambda: _print_fix(fix, save)  # noqa: E731
     if as_json:
         echo_json(result)
     else:
+        print_notes(bundle.notes)
         printer()
     exit_with_verdict(errors.verdict(passed))
 

@@ -22,7 +22,8 @@ _STATUS_STYLE = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold
 def doctor(bundle, trust_bundle, as_json, verbose):
     """Check drivers, CUDA, torch, ONNX Runtime, TensorRT and our libraries (and whether BUNDLE runs here).
 
-    Exits 3 when a check fails.
+    Names each native file of BUNDLE that this machine's deploykit did not build, what deploykit
+    does instead of loading it, and that --trust-bundle loads it. Exits 3 when a check fails.
     """
     import dataclasses
 

@@ -11,7 +11,7 @@ from deploykit.cli._common import (
     BUNDLE, allow_failed_option, combine, console, echo_json, exit_with_verdict, handle_errors, inputs_option,
     json_option, model_loading_options, seed_option, tolerance_option, trust_bundle_option, verbose_option,
 )
-from deploykit.cli._printing import VERDICT_COLOURS, print_notes_and_failures, print_validation_table
+from deploykit.cli._printing import VERDICT_COLOURS, print_notes, print_notes_and_failures, print_validation_table
 
 #: --backend, --device, --allow-failed, --no-op-library and --trust-bundle: how deploykit.load runs the bundle.
 _runtime_options = combine(
@@ -24,11 +24,6 @@ _runtime_options = combine(
                  help="Do not load libdeploykit_ort.so: deploykit ops run as their ONNX functions."),
     trust_bundle_option,
 )
-
-
-def _print_notes(runner) -> None:
-    for note in runner.notes:
-        console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
 
 
 # --------------------------------------------------------------------------- run
@@ -70,7 +65,7 @@ def run(bundle, feeds_path, output, batch, seed, backend, device, allow_failed, 
     if as_json:
         echo_json(summary)
         return
-    _print_notes(runner)
+    print_notes(runner.notes)
     _print_run(summary)
 
 
@@ -135,7 +130,7 @@ def validate(bundle, model, factory, trust_pickle, feeds_path, batches, seed, to
     if as_json:
         echo_json(summary)
     else:
-        _print_notes(result.runner)
+        print_notes(result.runner.notes)
         print_validation_table(summary["validation"])
         print_notes_and_failures(result.validation.rounding_notes(), summary["failures"], summary["inconclusive"])
         colour = VERDICT_COLOURS[result.verdict]

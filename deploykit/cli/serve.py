@@ -9,6 +9,7 @@ import click
 from deploykit.cli._common import (
     BUNDLE, EXISTING_FILE, allow_failed_option, console, handle_errors, trust_bundle_option, verbose_option,
 )
+from deploykit.cli._printing import print_notes
 
 
 @click.command("serve")
@@ -67,8 +68,7 @@ def serve(bundles, host, port, backend, devices, instances, max_batch, max_delay
         limits = Limits(max_request_bytes=int(max_request_mb * (1 << 20)), max_queue=max_queue, timeout_s=timeout_s,
                         max_delay_ms=max_delay_ms, token=token)
     for model in models:
-        for note in model.runner.notes:
-            console.print(f"[yellow]note:[/] {model.name}: {note}", soft_wrap=True)
+        print_notes(model.notes, f"{model.name}: ")
         console.print(server.model_summary(model), soft_wrap=True)
     server.serve(models, limits, host, port, access_log=not no_access_log,
                  on_started=lambda url: console.print(f"serving at {url} (v2 API, metrics at {url}/metrics)"))

@@ -14,6 +14,7 @@ from deploykit.cli._common import (
     BUNDLE, EXISTING_FILE, allow_failed_option, combine, console, echo_json, handle_errors, json_option,
     parse_keys, stage_printer, tolerance_option, trust_bundle_option, verbose_option,
 )
+from deploykit.cli._printing import print_notes, print_tuning_table
 
 #: --model, --factory and --trust-pickle: the PyTorch model behind the bundle.
 _source_options = combine(
@@ -140,6 +141,8 @@ def _with_progress(work, total: int, quiet: bool):
 def _print_bench(result: dict, folder: Path) -> None:
     from rich.table import Table
 
+    for entry in result["contenders"]:
+        print_notes(entry["notes"], f"{entry['key']}: ")
     table = Table(title=f"{result['bundle']} on {result['device']}", title_justify="left")
     for column in ("backend", "batch", "p50 ms", "spread", "p90 ms", "p99 ms", "mean ms", "cv", "samples/s",
                    "vs best", "vs r-o"):
@@ -158,8 +161,8 @@ def _print_bench(result: dict, folder: Path) -> None:
             console.print(f"[{colour}]{entry['status']}:[/] {entry['key']} ({entry['label']}): {entry['reason']}",
                           soft_wrap=True)
     if any(r["cv"] > 0.5 for entry in result["contenders"] for r in entry["results"]):
-        console.print("[yellow]note:[/] some timings vary a lot (cv > 0.5): is other work running on this machine? "
-                      "Use more --iterations or a quieter machine", soft_wrap=True)
+        print_notes(["some timings vary a lot (cv > 0.5): is other work running on this machine? Use more "
+                     "--iterations or a quieter machine"])
     console.print("p50: the median of the rounds' medians; spread: their range over p50. vs r-o: p50 over "
                   "torch.compile(mode=\"reduce-overhead\")'s in the same precision (below 1x: faster)", soft_wrap=True)
     console.print(f"Timing: {result['timing']}. Results: {folder / 'bench.json'}, plot: {folder / 'bench.png'}")
@@ -193,7 +196,6 @@ def tune(bundle, model, factory, trust_pickle, batches, device, warmup, iteratio
     the bundle's own graph on ONNX Runtime's CPU provider; the table in manifest.json says which.
     """
     from deploykit import runtime
-    from deploykit.cli._printing import print_tuning_table
     from deploykit.tools import bench as benchmark
     from deploykit.tuning.record import write_tuning
     from deploykit.tuning.tune import TuneSettings, tune_bundle
@@ -266,6 +268,7 @@ def _print_profile(result: dict, top: int, folder: Path) -> None:
             colour = "red" if section["status"] == "failed" else "yellow"
             console.print(f"[{colour}]{section['status']}:[/] {section['backend']}: {section['reason']}", soft_wrap=True)
             continue
+        print_notes(section["notes"], f"{section['backend']}: ")
         table = Table(title=f"{section['backend']}: {section['per_run_ms']:.3f} ms per run, deploykit ops "
                             f"{100 * section['custom_share']:.1f}%", title_justify="left")
         for column in ("layer", "op type", "ms/run", "share"):

@@ -52,6 +52,12 @@ class ServedModel:
         return self.runners[0]
 
     @property
+    def notes(self) -> list[str]:
+        """What every instance's runner noted, each note once: instances on other devices may note
+        other things (an engine one GPU cannot run), and the console names them all."""
+        return list(dict.fromkeys(note for runner in self.runners for note in runner.notes))
+
+    @property
     def inputs(self) -> list[dict]:
         return self.runner.inputs
 

@@ -63,13 +63,14 @@ class Settings:
 
 @dataclasses.dataclass
 class Contender:
-    """One thing to time. ``setup()`` builds the backend (a session, a compiled module) for one
-    batch size and returns ``prepare(feeds) -> step``; without ``setup``, ``reason`` says why
-    it is skipped (or, with ``failed``, why it broke)."""
+    """One thing to time. ``setup(notes)`` builds the backend (a session, a compiled module) for one
+    batch size, adds what its runner notes to ``notes`` (bench.json and the console carry them, as
+    ``run`` prints them) and returns ``prepare(feeds) -> step``; without ``setup``, ``reason`` says
+    why it is skipped (or, with ``failed``, why it broke)."""
 
     key: str
     label: str
-    setup: Callable[[], Callable[[dict], Step]] | None = None
+    setup: Callable[[list[str]], Callable[[dict], Step]] | None = None
     reason: str = ""
     failed: bool = False
     inputs: list[dict] | None = None  # input specs when it runs another bundle than the benched one
@@ -256,7 +257,7 @@ def _pytorch_problem(source: SourceModel, device: str, precision: str) -> str | 
 def _eager(source: SourceModel, device: str, precision: str = "fp32"):
     if problem := _pytorch_problem(source, device, precision):
         return problem
-    return lambda: _module_step(_module_copy(source, device, precision), device, precision)
+    return lambda notes: _module_step(_module_copy(source, device, precision), device, precision)
 
 
 def _compiled(source: SourceModel, device: str, precision: str = "fp32", mode: str | None = None):
@@ -265,7 +266,7 @@ def _compiled(source: SourceModel, device: str, precision: str = "fp32", mode: s
     if source.loaded.kind == "torchscript":
         return "torch.compile does not take TorchScript modules"
 
-    def setup():
+    def setup(notes):
         import torch
 
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "no CUDA runtime" on CPU machines
@@ -312,11 +313,12 @@ def _ort(bundle, device, tf32: bool, op_library: bool, trust_native: bool = Fals
     if device == "cuda" and not runtime.ort_has_cuda():
         return f"onnxruntime has no {runtime.CUDA_EP} (pip install onnxruntime-gpu)"
 
-    def setup():
+    def setup(notes):
         # timing, not outputs: any batch the user asks for is measured, validated or not
         runner = runtime.load_onnxruntime(bundle, device, op_library=op_library, model=model,
                                           stream=stream_pointer(device), tf32=tf32, allow_unvalidated=True,
                                           trust_native=trust_native)
+        notes += runner.notes
 
         def prepare(feeds: dict) -> Step:
             given = dict(zip(feeds, _torch_feeds(feeds, device))) if device == "cuda" else feeds
@@ -330,17 +332,20 @@ def _ort(bundle, device, tf32: bool, op_library: bool, trust_native: bool = Fals
 def _ort_cuda_graph(bundle, device, tf32: bool, trust_native: bool):
     if device != "cuda" or not runtime.ort_has_cuda():
         return f"CUDA graphs need a GPU and onnxruntime-gpu's {runtime.CUDA_EP}"
-    return lambda: functools.partial(cuda_graph_step, bundle, tf32, trust_native)
+    return lambda notes: functools.partial(cuda_graph_step, bundle, tf32, trust_native, notes=notes)
 
 
 def cuda_graph_step(bundle: runtime.Bundle, tf32: bool, trust_native: bool, feeds: dict, *,
-                    copy_from: list | None = None) -> Step:
+                    copy_from: list | None = None, notes: list[str] | None = None) -> Step:
     """ONNX Runtime's floor, which the runner is measured against: a session per batch size with a
     CUDA graph, bound once to inputs already in place and to preallocated outputs (nothing a
     runner does per call costs less). With ``copy_from`` (CUDA tensors, one per input), each call
-    first copies them into the bound inputs, as a hand-written loop over new inputs must."""
+    first copies them into the bound inputs, as a hand-written loop over new inputs must. The
+    session's notes go into ``notes``."""
     runner = runtime.load_onnxruntime(bundle, "cuda", cuda_graph=True, stream=stream_pointer("cuda"), tf32=tf32,
                                       trust_native=trust_native)
+    if notes is not None:
+        notes += runner.notes
     memory = runtime.TorchMemory(0)
     given = {name: runtime.as_feed(name, memory.to_device(array)) for name, array in feeds.items()}
     binding = runner.session.io_binding()
@@ -374,8 +379,9 @@ def _tensorrt(bundle: runtime.Bundle, device: str, trust_native: bool):
     if problem:
         return problem
 
-    def setup():
+    def setup(notes):
         runner = runtime.load_tensorrt_engine(bundle, entry, trust_native=trust_native)
+        notes += runner.notes
 
         return lambda feeds: _synchronized_step(runner, feeds, "cuda")
 
@@ -395,9 +401,10 @@ def _aoti(bundle: runtime.Bundle, device: str, trust_native: bool, kind: str):
     if candidate.problem:
         return candidate.problem
 
-    def setup():
+    def setup(notes):
         runner = open_runner(bundle, "aoti", {"packages": kind}, device, trust_native=trust_native,
                              allow_unvalidated=True)  # each package's own CUDA graph setting
+        notes += runner.notes
 
         def prepare(feeds: dict) -> Step | None:
             batch = next(iter(feeds.values())).shape[0]
@@ -410,10 +417,11 @@ def _aoti(bundle: runtime.Bundle, device: str, trust_native: bool, kind: str):
 
 def _default_load(bundle: runtime.Bundle, device: str, trust_native: bool):
     """What ``deploykit.load(bundle)`` gives users on this device: its tuned choice, the engine or ONNX Runtime."""
-    def setup():
+    def setup(notes):
         # the bench decided already whether a failed bundle may be timed (--allow-failed)
         runner = runtime.load(bundle.path, device=device, trust_native=trust_native, allow_failed=True,
                               allow_unvalidated=True)
+        notes += runner.notes
         return lambda feeds: _synchronized_step(runner, feeds, device)
 
     return setup
@@ -495,11 +503,14 @@ def _time_side_by_side(ready: list[Ready], batch: int, settings: Settings, tick)
 
 def _set_up(contender: Contender, entry: dict, batch: int, settings: Settings, specs: list[dict], tick) -> Ready | None:
     """The contender's backend built and its step made and called once for ``batch``; None where it
-    does not take this batch (a static package's) or failed (recorded in ``entry``)."""
+    does not take this batch (a static package's) or failed (recorded in ``entry``). Its runner's
+    notes join the entry's, each once over the batch sizes."""
     tick(f"{contender.label}, batch {batch}: setting up")
+    notes: list[str] = []
     try:
         start = time.perf_counter()
-        step = contender.setup()(runtime.random_inputs(contender.inputs or specs, batch, settings.seed))
+        step = contender.setup(notes)(runtime.random_inputs(contender.inputs or specs, batch, settings.seed))
+        entry["notes"] += [note for note in dict.fromkeys(notes) if note not in entry["notes"]]
         if step is None:
             entry.setdefault("not_timed", []).append(batch)
             return None
@@ -529,7 +540,7 @@ def _free() -> None:
 def _entry(contender: Contender) -> dict:
     status = "ok" if contender.setup is not None else "failed" if contender.failed else "skipped"
     return {"key": contender.key, "label": contender.label, "precision": contender.precision, "status": status,
-            "reason": contender.reason, "results": []}
+            "reason": contender.reason, "notes": [], "results": []}
 
 
 def batch_plan(bundle: runtime.Bundle, requested: list[int] | None) -> list[int]:

@@ -37,18 +37,20 @@ class BundleGraphs:
     op_library: Path | None
     precision: str
     io_precision: str | None
+    notes: list[str] = dataclasses.field(default_factory=list)  # what differs from the conversion, as a runner's
 
 
 def open_bundle(path: Path, trust_native: bool = False) -> BundleGraphs:
     """The bundle's graphs and op library: debug examines graphs whatever their sha256 (one may have
     been edited since conversion), but the op library is native code, so it is verified and goes
-    through the trust decision like every loader's."""
+    through the trust decision like every loader's (noting a foreign one swapped for this machine's build)."""
     bundle = read.open_bundle(path)
     reference = _file_if_present(bundle, bundle.manifest.get("reference_model") or REFERENCE_MODEL)
-    library = trust.op_library(bundle, trust_native=trust_native) if bundle.op_library else None
+    notes: list[str] = []
+    library = trust.op_library(bundle, trust_native=trust_native, notes=notes) if bundle.op_library else None
     return BundleGraphs(
         bundle.path, bundle.manifest, onnx.load(bundle.file(bundle.model, verify=False)),
-        onnx.load(reference) if reference else None, library, bundle.precision, _io_precision(bundle),
+        onnx.load(reference) if reference else None, library, bundle.precision, _io_precision(bundle), notes,
     )
 
 

@@ -1,9 +1,10 @@
 """``deploykit doctor [BUNDLE]``: why a model will not run here, and what to do about it.
 
 Facts are gathered once (``gather``: driver, GPUs, torch, nvcc, ONNX Runtime, TensorRT,
-cuda-python, our libraries) into an ``Environment``; each check is a pure function of it
-(and of a bundle's manifest), so the rules -- e.g. "no kernel image is available" when torch
-was not built for this GPU, TensorRT-RTX refusing Hopper -- are tested without the hardware.
+cuda-python, our libraries, where a bundle's native files come from) into an ``Environment``;
+each check is a pure function of it (and of a bundle's manifest), so the rules -- e.g. "no
+kernel image is available" when torch was not built for this GPU, TensorRT-RTX refusing Hopper --
+are tested without the hardware.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import subprocess
 from pathlib import Path
 
 from deploykit import runtime
-from deploykit.backends.onnxruntime import wheels
+from deploykit.backends.onnxruntime import loader, wheels
 from deploykit.bundle import trust
 from deploykit.bundle.read import FileProblem
+from deploykit.errors import DeployKitError
 
 TORCH_INDEX = "pip install torch --index-url https://download.pytorch.org/whl/cu{cuda}"
 
@@ -49,6 +51,8 @@ class Environment:
     rtx_targets: tuple[str, ...] | None = None
     cuda_python: str | None = None
     libraries: dict = dataclasses.field(default_factory=dict)  # library -> "ok" or why it fails to load
+    native: list = dataclasses.field(default_factory=list)  # the bundle's native files (trust.NativeFile)
+    substitutes: dict = dataclasses.field(default_factory=dict)  # bundle file -> this machine's build used for it
 
 
 # --------------------------------------------------------------------------- gathering facts
@@ -65,7 +69,8 @@ def gather(bundle: runtime.Bundle | None = None, trust_native: bool = False) -> 
         if version:
             env.tensorrt[flavour] = version
             env.rtx_targets = targets or env.rtx_targets
-    env.libraries = _library_facts(bundle, trust_native)
+    env.libraries, env.substitutes = _library_facts(bundle, trust_native)
+    env.native = trust.native_files(bundle) if bundle is not None else []
     return env
 
 
@@ -128,25 +133,33 @@ def _ort_facts() -> dict | None:
     return {"version": ort.__version__, "providers": ort.get_available_providers(), "distributions": installed}
 
 
-def _library_facts(bundle: runtime.Bundle | None, trust_native: bool = False) -> dict[str, str]:
-    """Whether our libraries load here: the bundle's op library (as the trust decision allows, so a
-    foreign one is refused or replaced by this machine's build), else the newest cached build's."""
-    libraries = {}
+def _library_facts(bundle: runtime.Bundle | None, trust_native: bool = False) -> tuple[dict[str, str], dict[str, str]]:
+    """(whether our libraries load here, {bundle file: this machine's build used in its place}): the
+    bundle's op library, else the newest cached build's."""
     if bundle is not None and bundle.op_library:
-        try:
-            path = trust.op_library(bundle, trust_native=trust_native)
-        except FileProblem as problem:
-            libraries[f"bundle {bundle.op_library['file']}"] = problem.kind
-        else:
-            ours = path.parent != bundle.path
-            label = f"{path.name} (this machine's build, for the bundle's)" if ours else f"bundle {path.name}"
-            libraries[label] = _ort_library_loads(path)
-    elif (build := _newest_build()) is not None:
+        return _bundle_library_facts(bundle, trust_native)
+    libraries = {}
+    if (build := _newest_build()) is not None:
         for name, relative in build.get("libraries", {}).items():
             path = build["dir"] / relative
             libraries[f"{path.name} ({build['dir']})"] = (_ort_library_loads(path) if name == "onnxruntime"
                                                           else _dlopen(path))
-    return libraries
+    return libraries, {}
+
+
+def _bundle_library_facts(bundle: runtime.Bundle, trust_native: bool) -> tuple[dict[str, str], dict[str, str]]:
+    """The library a load would register for the bundle, as the trust decision picks it (its own, or
+    this machine's build for a foreign one), tried; nothing when refused: check_native says why."""
+    name = bundle.op_library["file"]
+    try:
+        path = trust.op_library(bundle, trust_native=trust_native)
+    except FileProblem as problem:
+        return {f"bundle {name}": problem.kind}, {}
+    except trust.UntrustedNativeCode:
+        return {}, {}
+    if path.parent == bundle.path:
+        return {f"bundle {name}": _ort_library_loads(path)}, {}
+    return {f"{path.name} (this machine's build, for the bundle's)": _ort_library_loads(path)}, {name: str(path)}
 
 
 def _newest_build() -> dict | None:
@@ -159,13 +172,13 @@ def _newest_build() -> dict | None:
 
 
 def _ort_library_loads(path: Path) -> str:
+    """"ok", or why ONNX Runtime will not take the op library: registered through the loader, as
+    every session registers it, so doctor tries what a run would do."""
     try:
-        import onnxruntime as ort
-
-        ort.SessionOptions().register_custom_ops_library(str(path))
+        loader.session_options(op_library=path)
         return "ok"
-    except Exception as error:  # noqa: BLE001
-        return str(error).splitlines()[0][:200]
+    except (DeployKitError, ImportError) as error:
+        return str(error)
 
 
 def _dlopen(path: Path) -> str:
@@ -299,8 +312,8 @@ def check_libraries(env: Environment) -> list[Check]:
             for name, why in env.libraries.items()]
 
 
-def check_bundle(bundle: runtime.Bundle, env: Environment) -> list[Check]:
-    checks = [_check_files(bundle)]
+def check_bundle(bundle: runtime.Bundle, env: Environment, trust_native: bool = False) -> list[Check]:
+    checks = [_check_files(bundle), *check_native(env, trust_native)]
     passed = bundle.passed
     checks.append(Check("bundle validation", "ok" if passed else "fail",
                         "passed against PyTorch" if passed else "failed against PyTorch (see report.html)",
@@ -318,6 +331,38 @@ def check_bundle(bundle: runtime.Bundle, env: Environment) -> list[Check]:
                             f"{entry['file']}: {problem}" if problem else f"{entry['file']} runs on {env.gpus[0][0]}",
                             _engine_fix(problem) if problem else ""))
     return checks
+
+
+def check_native(env: Environment, trust_native: bool = False) -> list[Check]:
+    """A line per native file of the bundle, with its provenance here (trust.native_files): one not
+    built here is what a run quietly swaps or passes over, so doctor names it, what deploykit does
+    instead and the consent that would load it."""
+    return [_native_check(native, env, trust_native) for native in env.native]
+
+
+def _native_check(native: trust.NativeFile, env: Environment, trust_native: bool) -> Check:
+    head = f"{native.file} ({native.kind}): {native.provenance}"
+    if native.known:
+        return Check("bundle native code", "ok", head)
+    if trust_native:
+        return Check("bundle native code", "ok", f"{head}, trusted by consent (--trust-bundle): deploykit loads it")
+    status, instead, ways_out = _instead_of(native, env)
+    return Check("bundle native code", status, f"{head} (not made by this machine's deploykit): {instead}",
+                 f"{ways_out}--trust-bundle loads it, if you trust whoever made the bundle")
+
+
+def _instead_of(native: trust.NativeFile, env: Environment) -> tuple[str, str, str]:
+    """(status, what deploykit does instead of loading a foreign native file, other ways out): fail
+    only where nothing replaces it."""
+    if native.kind == trust.ENGINE:
+        return "warn", "deploykit runs the bundle on ONNX Runtime instead (--backend tensorrt refuses it)", ""
+    if native.kind == trust.AOTI_PACKAGE:
+        return "warn", "deploykit runs the bundle without it (--backend aoti refuses it; it is never replaced)", ""
+    if native.file in env.substitutes:
+        return "warn", f"deploykit uses this machine's build {env.substitutes[native.file]} instead", ""
+    return ("fail", "nothing here replaces it, so deploykit refuses it (exit 2)",
+            "deploykit build-plugins builds this machine's own (used instead); --no-op-library runs the ONNX "
+            "function fallbacks; ")
 
 
 def _engine_fix(problem: str) -> str:
@@ -344,5 +389,5 @@ def diagnose(bundle_path: Path | None = None, env: Environment | None = None,
     env = env or gather(bundle, trust_native)
     checks = [check for function in CHECKS for check in function(env)]
     if bundle is not None:
-        checks += check_bundle(bundle, env)
+        checks += check_bundle(bundle, env, trust_native)
     return checks, env

@@ -59,10 +59,12 @@ def op_type_table(layers: list[dict]) -> list[dict]:
     return sorted(totals.values(), key=lambda row: row["total_ms"], reverse=True)
 
 
-def finish(backend: str, layers: list[dict], timeline: list[dict], runs: int, note: str = "") -> dict:
+def finish(backend: str, layers: list[dict], timeline: list[dict], runs: int, note: str = "",
+           notes: list[str] | None = None) -> dict:
+    """One backend's section; ``notes``: its runner's (what differs from the conversion), as ``run`` prints them."""
     custom = sum(layer["share"] for layer in layers if layer["custom"])
-    return {"backend": backend, "status": "ok", "runs": runs, "note": note, "layers": layers,
-            "op_types": op_type_table(layers), "timeline": timeline, "custom_share": custom,
+    return {"backend": backend, "status": "ok", "runs": runs, "note": note, "notes": list(notes or []),
+            "layers": layers, "op_types": op_type_table(layers), "timeline": timeline, "custom_share": custom,
             "per_run_ms": sum(layer["total_ms"] for layer in layers) / max(runs, 1)}
 
 
@@ -106,7 +108,7 @@ def profile_onnxruntime(bundle: runtime.Bundle, feeds: dict, settings: Settings)
                              "duration_us": event["dur"], "custom": custom})
     library = runner.library.name if runner.library else "no op library: deploykit ops run as inlined ONNX functions"
     return finish(f"onnxruntime ({runner.provider})", layer_table(samples, kinds, len(timed)), timeline, len(timed),
-                  note=library)
+                  note=library, notes=runner.notes)
 
 
 # --------------------------------------------------------------------------- TensorRT
@@ -145,7 +147,8 @@ def profile_tensorrt(bundle: runtime.Bundle, feeds: dict, settings: Settings) ->
                          "custom": kinds[name][2]})
         clock += ms
     return finish(f"tensorrt ({runner.flavour.label})", layer_table(samples, kinds, len(profiler.runs)), timeline,
-                  len(profiler.runs), note="layer times reported by IProfiler; the timeline lays them end to end")
+                  len(profiler.runs), note="layer times reported by IProfiler; the timeline lays them end to end",
+                  notes=runner.notes)
 
 
 # --------------------------------------------------------------------------- PyTorch

@@ -299,6 +299,20 @@ def test_doctor_rtx_engine_on_hopper(tabular):
     assert ok.status == "ok" and "runs on NVIDIA RTX A6000" in ok.detail
 
 
+def test_doctor_names_foreign_engines_and_packages_and_what_runs_instead():
+    from deploykit.bundle import trust
+
+    env = fake_env(native=[trust.NativeFile("model.engine", trust.ENGINE, trust.FOREIGN),
+                           trust.NativeFile("aoti-cpu.pt2", trust.AOTI_PACKAGE, trust.FOREIGN),
+                           trust.NativeFile("libdeploykit_ort.so", trust.OP_LIBRARY, trust.WRITTEN_HERE)])
+    engine, package, library = doctor.check_native(env)
+    assert engine.status == "warn" and "deploykit runs the bundle on ONNX Runtime instead" in engine.detail
+    assert package.status == "warn" and "--backend aoti refuses it; it is never replaced" in package.detail
+    assert library.status == "ok" and library.detail.endswith(trust.WRITTEN_HERE)
+    assert all("--trust-bundle loads it" in check.fix for check in (engine, package))
+    assert [c.status for c in doctor.check_native(env, trust_native=True)] == ["ok"] * 3
+
+
 # --------------------------------------------------------------------------- bench
 
 

@@ -1,5 +1,6 @@
 """Every command that can load a bundle's native code refuses a foreign library (exit 2, one line
-naming --trust-bundle) and never loads it; --trust-bundle loads it; inspect calls it foreign.
+naming --trust-bundle) and never loads it; --trust-bundle loads it; inspect calls it foreign;
+doctor reports it as a problem.
 
 The commands run where deploykit cannot build its op library (an empty cache, no headers, a
 compiler that fails), so a foreign library cannot be swapped for this machine's build.
@@ -7,9 +8,11 @@ compiler that fails), so a foreign library cannot be swapped for this machine's 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from deploykit.errors import EXIT_BAD_INPUT
+from deploykit.errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT
 from deploykit_cli import run_deploykit
 from foreign_library import LIBRARY, foreign_bundle
 
@@ -19,7 +22,6 @@ COMMANDS = {
     "bench": ["bench", "{bundle}", "--only", "ort-deploykit", "--device", "cpu", "--iterations", "1", "-o", "{out}"],
     "tune": ["tune", "{bundle}", "--device", "cpu", "--iterations", "1", "--warmup", "0"],
     "profile": ["profile", "{bundle}", "--only", "onnxruntime", "--device", "cpu", "--iterations", "1", "-o", "{out}"],
-    "doctor": ["doctor", "{bundle}"],
     "debug": ["debug", "{bundle}", "--layerwise"],
 }
 
@@ -50,11 +52,42 @@ def test_foreign_library_refused(name, tmp_path, foreign):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("name", ["run", "doctor"])
-def test_trust_bundle_loads_it(name, tmp_path, foreign):
+def test_trust_bundle_loads_it(tmp_path, foreign):
     bundle, marker = foreign
-    run_deploykit(*_command(name, bundle, tmp_path, "--trust-bundle"))
+    run_deploykit(*_command("run", bundle, tmp_path, "--trust-bundle"))
     assert marker.read_text() == "loaded"
+
+
+def _doctor_on_library(bundle, *options) -> tuple[int, dict]:
+    """(doctor's exit code, its check of the bundle's op library)."""
+    result = run_deploykit("doctor", bundle, "--json", *options)
+    checks = json.loads(result.stdout)["checks"]
+    [check] = [c for c in checks if c["area"] == "bundle native code" and c["detail"].startswith(LIBRARY)]
+    return result.returncode, check
+
+
+def test_doctor_fails_a_library_nothing_replaces(foreign):
+    """Doctor does not refuse (as loaders do): it says why the bundle will not load, and the ways out."""
+    bundle, marker = foreign
+    code, check = _doctor_on_library(bundle)
+    assert code == EXIT_ENVIRONMENT and check["status"] == "fail" and not marker.exists()
+    assert "foreign" in check["detail"] and "nothing here replaces it, so deploykit refuses it" in check["detail"]
+    assert "--trust-bundle loads it" in check["fix"] and "--no-op-library" in check["fix"]
+
+
+def test_doctor_trust_bundle_loads_it_by_consent(foreign):
+    bundle, marker = foreign
+    _, check = _doctor_on_library(bundle, "--trust-bundle")
+    assert check["status"] == "ok" and "foreign, trusted by consent (--trust-bundle)" in check["detail"]
+    assert marker.read_text() == "loaded"
+
+
+def test_doctor_names_this_machines_build_used_instead(tmp_path):
+    bundle, marker = foreign_bundle(tmp_path)
+    _, check = _doctor_on_library(bundle)
+    assert check["status"] == "warn" and not marker.exists()
+    assert "foreign" in check["detail"] and "deploykit uses this machine's build" in check["detail"]
+    assert "--trust-bundle loads it" in check["fix"]
 
 
 def test_inspect_calls_it_foreign(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import queue
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -132,6 +133,14 @@ class GatedRunner:
         self.started.put(len(feeds["x"]))
         self.go.acquire()
         return {"y": feeds["x"] * 2}
+
+
+def test_a_model_names_what_every_instance_noted_once():
+    """Instances on other devices may note other things (an engine one GPU cannot run): serve prints them all."""
+    runners = [SimpleNamespace(notes=["swapped library", "engine not used on cuda:0"]),
+               SimpleNamespace(notes=["swapped library"])]
+    model = ServedModel("m", Path("m"), runners, ["cuda:0", "cuda:1"], max_batch=4, buckets=[], allow_nan=False)
+    assert model.notes == ["swapped library", "engine not used on cuda:0"]
 
 
 def test_queued_rows_follow_partial_takes_and_timed_out_requests():

@@ -139,7 +139,7 @@ class Backend:
 
 
 def fake_contender(key: str, log: list, setups: list, broken_at: int | None = None) -> bench.Contender:
-    def setup():
+    def setup(notes):
         setups.append((key, {b.key for b in Backend.alive}))  # what is alive when this one is built
         backend = Backend(key, log)
 
@@ -180,7 +180,7 @@ def test_bench_times_contenders_side_by_side_and_frees_them_between_batch_sizes(
     assert broken["status"] == "failed" and broken["reason"] == "batch 4: out of memory"
     assert [r["batch"] for r in broken["results"]] == [1]
     assert entries["tensorrt"] == {"key": "tensorrt", "label": "TensorRT", "precision": "fp32", "status": "skipped",
-                                   "reason": "GPU only", "results": []}
+                                   "reason": "GPU only", "notes": [], "results": []}
 
 
 # --------------------------------------------------------------------------- tune
