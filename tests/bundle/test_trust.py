@@ -23,7 +23,7 @@ from foreign_library import LIBRARY, foreign_bundle
 @pytest.fixture
 def no_local_build(monkeypatch):
     """This machine cannot build the op library, so a foreign one cannot be swapped for it."""
-    def cannot_build():
+    def cannot_build(before_building=None):
         raise EnvironmentProblem("no toolchain")
     monkeypatch.setattr(trust.native, "find_ort_library", cannot_build)
 
