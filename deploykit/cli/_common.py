@@ -65,6 +65,7 @@ def handle_errors(verbose: bool):
 
 
 def _what_was_written(written: list[Path]) -> str:
+    """What an interrupted command leaves on disk, as it is: a user decides from it what to redo."""
     if not written:
         return "nothing was written"
     return f"{' and '.join(map(str, written))} had been written in full before it, nothing else"
