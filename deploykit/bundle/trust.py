@@ -5,13 +5,15 @@ manifest was written, not who made it. Native code (the ONNX Runtime op library,
 engine with embedded plugins, an AOTInductor package) runs only when it is byte-identical to
 what this machine's deploykit built or wrote into a bundle, or when the user consents (``trust_native=True``,
 ``--trust-bundle``). A foreign op library is replaced by this machine's build where deploykit
-can build one.
+can build one; a build that has to start (CMake, minutes, on a cold cache) is announced on the
+``deploykit.bundle.trust`` logger first, which Python prints on stderr unless logging is set up.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 from deploykit.bundle.format import cached_sha256, sha256_of
@@ -25,6 +27,8 @@ WRITTEN_HERE = "written by this machine's deploykit"
 SAME_AS_BUILD = "same as this machine's build"
 FOREIGN = "foreign"
 OP_LIBRARY, ENGINE, AOTI_PACKAGE = "onnxruntime-op-library", "tensorrt-engine-with-plugins", "aoti-package"
+
+_log = logging.getLogger(__name__)
 
 
 class UntrustedNativeCode(BadInputError):
@@ -110,13 +114,20 @@ def op_library(bundle: Bundle, verify: bool = True, trust_native: bool = False,
     if trust_native or not foreign:
         return path
     try:
-        local = native.find_ort_library()
+        local = native.find_ort_library(before_building=lambda build_dir: _announce_build(name, build_dir))
     except EnvironmentProblem:
         raise refusal(name, bundle, ", or op_library=False (--no-op-library) to run the ONNX function "
                                     "fallbacks instead") from None
     if notes is not None:
         notes.append(f"{name} in the bundle was not built here: using this machine's build {local} instead")
     return local
+
+
+def _announce_build(name: str, build_dir: Path) -> None:
+    """Say why deploykit.load is about to take minutes, and how to skip it, before the build starts."""
+    _log.warning("building deploykit's op library from its sources (CMake, minutes; once, cached in %s): the "
+                 "bundle's %s was not built here, so it is not trusted; --trust-bundle (trust_native=True) loads "
+                 "it instead, --no-op-library (op_library=False) runs the ONNX function fallbacks", build_dir, name)
 
 
 def _native_file(bundle: Bundle, name: str, verify: bool) -> tuple[Path, bool]:

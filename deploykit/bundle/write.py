@@ -1,4 +1,5 @@
-"""The output bundle: staged in a sibling directory and swapped into place atomically.
+"""The output bundle: staged in a sibling directory and swapped into place atomically; and the
+result files other commands write into a folder (bench, profile, tune), all or none.
 
 A run that fails leaves nothing behind. ``force`` replaces only a deploykit bundle or an empty
 directory, and only once the new bundle is complete: at every instant OUT holds the complete
@@ -6,6 +7,9 @@ old bundle or the complete new one. On Linux the swap is one ``renameat2(RENAME_
 elsewhere it is two renames, with a marker that lets the next run finish a swap that was cut
 short. Every run holds an ``flock`` on the directories it is working in, so the next run cleans
 what a killed run left beside OUT but never a directory a live run is still writing.
+
+Both are checked by a probe write before any work (a bad ``-o`` is exit 2), and a full disk while
+writing is exit 3 with nothing half-written left.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 from pathlib import Path
+from typing import Callable
 
 from deploykit.bundle.format import FORMAT, MANIFEST, sha256_of
 from deploykit.errors import BadInputError, EnvironmentProblem
@@ -30,6 +36,7 @@ SWAP_MARKER = "complete-bundle"
 _STAGING, _RETIRED = ".partial", ".old"
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 _FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+_HELD = (signal.SIGINT, signal.SIGTERM)
 
 
 def prepare_destination(out_dir: Path, force: bool) -> None:
@@ -65,14 +72,23 @@ def _replaceable(directory: Path) -> bool:
     return isinstance(manifest, dict) and manifest.get("format") == FORMAT
 
 
+def check_results_folder(folder: Path) -> None:
+    """Fail before any work if files could not be written into ``folder`` (made with its parents when
+    missing): the probe write of :func:`check_destination`, in ``folder`` or the nearest folder above it."""
+    folder = folder.absolute()
+    existing = next(path for path in (folder, *folder.parents) if os.path.exists(path))  # False where unreadable
+    if not existing.is_dir():
+        raise BadInputError(f"{existing} is not a directory; choose another -o")
+    _probe_write(existing / folder.name)
+
+
 def _probe_write(out_dir: Path) -> None:
     """Create and remove a directory beside ``out_dir``: what staging will do, tried up front."""
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".probe", dir=out_dir.parent))
+        with _full_disk_is_environment(lambda reason: f"{out_dir.parent} is on a full disk ({reason}); "
+                                                      "free some space or choose another -o"):
+            os.rmdir(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".probe", dir=out_dir.parent))
     except OSError as error:
-        if error.errno in _FULL_DISK:
-            raise EnvironmentProblem(f"{out_dir.parent} is on a full disk ({error.strerror}); "
-                                     "free some space or choose another -o") from None
         raise BadInputError(f"cannot write in {out_dir.parent} ({error.strerror}); choose another -o") from None
 
 
@@ -90,7 +106,7 @@ def staged_bundle(out_dir: Path, force: bool, digests: dict[str, str] | None = N
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=_STAGING, dir=out_dir.parent))
     manifest: dict = {}
     try:
-        with _locked(staging), _full_disk_is_environment(staging):
+        with _locked(staging), _full_disk_is_environment(lambda reason: _staging_full(staging, reason)):
             staging.chmod(0o777 & ~_current_umask())  # mkdtemp makes it private; a bundle is not
             yield staging, manifest
             manifest["files"] = {
@@ -147,17 +163,22 @@ def _unless_live(directory: Path):
 
 
 @contextlib.contextmanager
-def _full_disk_is_environment(staging: Path):
-    """A full disk while staging is exit 3, saying how much had been written when it ran out."""
+def _full_disk_is_environment(message: Callable[[str], str]):
+    """A full disk (or quota) in the block is exit 3, ``message(strerror)``: the user's to fix, not our
+    bug; any other OSError goes on."""
     try:
         yield
     except OSError as error:
         if error.errno not in _FULL_DISK:
             raise
-        staged = sum(path.stat().st_size for path in staging.rglob("*") if path.is_file())
-        raise EnvironmentProblem(f"the disk of {staging.parent} is full ({error.strerror}) after "
-                                 f"{staged / 2**20:.1f} MiB of the bundle; free at least that much more "
-                                 "or choose another -o") from None
+        raise EnvironmentProblem(message(error.strerror)) from None
+
+
+def _staging_full(staging: Path, reason: str) -> str:
+    """A full disk while staging, with how much had been written when it ran out."""
+    staged = sum(path.stat().st_size for path in staging.rglob("*") if path.is_file())
+    return (f"the disk of {staging.parent} is full ({reason}) after {staged / 2**20:.1f} MiB of the bundle; "
+            "free at least that much more or choose another -o")
 
 
 def clean_leftovers(out_dir: Path) -> None:
@@ -233,14 +254,77 @@ def _two_rename_swap(staging: Path, out_dir: Path) -> None:
 
 @contextlib.contextmanager
 def _signals_held():
-    """Hold SIGINT and SIGTERM between the two renames, so no handler runs while OUT is missing."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    """Hold SIGINT and SIGTERM while the block runs (between two renames, while OUT is missing; while
+    results land), raising one that arrives again once it is done.
+
+    Python runs its handlers in the main thread, whichever thread took the signal (torch and ONNX
+    Runtime start many, so a thread's signal mask holds nothing): there the handlers are swapped for
+    ones that take note. Another thread runs the block as it is: no Python handler runs in it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    previous = {signum: signal.signal(signum, lambda number, _frame: arrived.append(number)) for signum in _HELD}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(arrived):
+            signal.raise_signal(signum)  # its own handler now: KeyboardInterrupt, or the default (exit)
 
 
 def write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    path.write_text(json_text(data))
+
+
+def json_text(data: dict) -> str:
+    """How deploykit writes a JSON file: indented, keys in their order, a final newline."""
+    return json.dumps(data, indent=2, sort_keys=False) + "\n"
+
+
+def replace_files(folder: Path, files: dict[str, str | bytes], written: list[Path] | None = None) -> None:
+    """Write ``files`` (name: text or bytes) into ``folder``, made if missing: all of them or none.
+
+    Each goes to a hidden temporary beside its name first, then all are renamed over their names
+    with SIGINT and SIGTERM held, each path added to ``written`` as it lands (what the interrupt
+    line names). A full disk is exit 3 and, like an interrupt before the renames, leaves the old
+    files as they were and no temporary behind.
+    """
+    contents = {name: data.encode() if isinstance(data, str) else data for name, data in files.items()}
+    temporaries: dict[Path, Path] = {}
+    try:
+        with _full_disk_is_environment(lambda reason: _results_full(folder, contents, reason)):
+            folder.mkdir(parents=True, exist_ok=True)
+            for name, data in contents.items():
+                temporaries[folder / name] = _temporary_copy(folder / name, data)
+        with _signals_held():
+            for path, temporary in temporaries.items():
+                os.replace(temporary, path)
+                if written is not None:
+                    written.append(path)
+    finally:
+        for temporary in temporaries.values():
+            temporary.unlink(missing_ok=True)
+
+
+def _temporary_copy(path: Path, data: bytes) -> Path:
+    """``data`` in a new hidden file beside ``path``, with the mode ``path`` has (a new file's
+    default where it has none); removed again if writing it fails."""
+    handle, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(data)
+        os.chmod(name, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_current_umask())
+    except BaseException:
+        os.unlink(name)
+        raise
+    return Path(name)
+
+
+def _results_full(folder: Path, contents: dict[str, bytes], reason: str) -> str:
+    """A full disk while writing results, with the room they need (all of them are in memory)."""
+    size = sum(map(len, contents.values())) / 2**20
+    return (f"the disk of {folder} is full ({reason}) writing {', '.join(contents)} ({size:.1f} MiB), so none of "
+            "them was written; free that much or choose another -o")

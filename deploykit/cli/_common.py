@@ -39,17 +39,20 @@ def handle_errors(verbose: bool):
     A missing onnxruntime (neither deploykit[cpu] nor deploykit[gpu] installed) is exit 3 naming them.
 
     SIGTERM stops the command as Ctrl-C does: what it was writing is cleaned up on the way out
-    (a staged bundle is removed, an old one stays) and it exits 130.
+    (a staged bundle is removed, an old one stays) and it exits 130. It yields a list for the paths
+    the command has written (``deploykit.bundle.write.replace_files`` adds them), which the
+    interrupt line names: it never says nothing was written when something was.
     """
     if not verbose:  # torch's deprecation chatter is noise to a user converting a model
         warnings.simplefilter("ignore")
+    written: list[Path] = []
     try:
         with _sigterm_interrupts():
-            yield
+            yield written
     except errors.DeployKitError as error:
         _fail(str(error), error.exit_code, verbose)
     except KeyboardInterrupt:
-        console.print("[red]interrupted[/]; nothing was written")
+        console.print(f"[red]interrupted[/]; {escape(_what_was_written(written))}", soft_wrap=True)
         sys.exit(errors.EXIT_INTERRUPTED)
     except ModuleNotFoundError as error:
         from deploykit.backends.onnxruntime import wheels
@@ -59,6 +62,13 @@ def handle_errors(verbose: bool):
         _fail(f"ONNX Runtime is not installed: {wheels.INSTALL}", errors.EXIT_ENVIRONMENT, verbose)
     except Exception as error:  # anything unforeseen is our bug: say so, exit 4
         _fail_internal(error, verbose)
+
+
+def _what_was_written(written: list[Path]) -> str:
+    """What an interrupted command leaves on disk, as it is: a user decides from it what to redo."""
+    if not written:
+        return "nothing was written"
+    return f"{' and '.join(map(str, written))} had been written in full before it, nothing else"
 
 
 @contextlib.contextmanager

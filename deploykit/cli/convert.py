@@ -33,7 +33,8 @@ _LISTED_FP32_NODES = 8
               show_default=True, help="auto: dynamo, or torchscript for TorchScript files.")
 @click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset to export.")
 @click.option("--inputs", "feeds_path", type=click.Path(path_type=Path),
-              help="Validate on these inputs (.npz named after the model inputs).")
+              help="Validate on these inputs (.npz named after the model inputs; cast to the declared dtypes only "
+                   "where no value changes).")
 @seed_option("Seed of the random validation inputs.")
 @tolerance_option
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,

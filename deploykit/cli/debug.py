@@ -23,7 +23,8 @@ _SHOWN_ROWS = 12
 @click.option("--reference", type=EXISTING_FILE,
               help="ONNX graph to compare with (default: the bundle's model.fp32.onnx; for an fp32 bundle, "
                    "model.onnx without ONNX Runtime rewrites or our op library).")
-@inputs_option("Inputs (.npz named after the model inputs) instead of seeded random ones.")
+@inputs_option("Inputs (.npz named after the model inputs; floats cast to float32 only where no value changes) "
+               "instead of seeded random ones.")
 @seed_option()
 @click.option("--batch", type=click.IntRange(min=1),
               help="Batch size of the random inputs (default: the largest validated).")

@@ -1,7 +1,9 @@
 """``deploykit bench | profile``: time a bundle's backends (whole runs, or layer by layer); parse, call, print.
 
 Both open the bundle, may load its source PyTorch model, and write their results (a JSON file
-and a plot or page) into the bundle or -o. No logic here: deploykit.tools.bench and .profile.
+and a plot or page) into the bundle or -o: a probe write checks the folder before any timing,
+and the results are written all or none (deploykit.bundle.write, as convert's bundle is). No
+logic here: deploykit.tools.bench and .profile.
 """
 
 from __future__ import annotations
@@ -54,8 +56,11 @@ def _open_checked(bundle: Path, allow_failed: bool):
 
 
 def _results_folder(output: Path | None, bundle: Path) -> Path:
+    """-o, else the bundle, refused before any timing where results could not be written."""
+    from deploykit.bundle.write import check_results_folder
+
     folder = output or bundle
-    folder.mkdir(parents=True, exist_ok=True)
+    check_results_folder(folder)
     return folder
 
 
@@ -89,12 +94,13 @@ def bench(bundle, model, factory, trust_pickle, plain_onnx, export_plain, baseli
           iterations, max_seconds, rounds, tf32, trust_bundle, allow_failed, output, as_json, verbose):
     """Time BUNDLE's backends side by side: latency percentiles and throughput per batch size."""
     from deploykit import runtime
-    from deploykit.bundle.write import write_json
+    from deploykit.bundle.write import json_text, replace_files
     from deploykit.report.bench_plots import bench_png
     from deploykit.tools import bench as benchmark
 
     selected = parse_keys(only, benchmark.KEYS, "--only")  # click's usage error (exit 2), outside handle_errors
-    with handle_errors(verbose):
+    with handle_errors(verbose) as written:
+        folder = _results_folder(output, bundle)
         opened = _open_checked(bundle, allow_failed)
         settings = benchmark.Settings(benchmark.batch_plan(opened, benchmark.parse_batches(batches)),
                                       benchmark.resolve_device(device), warmup, iterations, max_seconds, rounds,
@@ -109,9 +115,7 @@ def bench(bundle, model, factory, trust_pickle, plain_onnx, export_plain, baseli
                                          baseline=runtime.open_bundle(baseline) if baseline else None)
         result = _with_progress(lambda tick: benchmark.run_benchmark(opened, settings, found, tick),
                                 benchmark.progress_steps(settings, found), as_json)
-        folder = _results_folder(output, bundle)
-        write_json(folder / "bench.json", result)
-        (folder / "bench.png").write_bytes(bench_png(result))
+        replace_files(folder, {"bench.json": json_text(result), "bench.png": bench_png(result)}, written)
     if as_json:
         echo_json(result)
         return
@@ -238,12 +242,13 @@ _PROFILED = ("onnxruntime", "tensorrt", "pytorch")
 def profile(bundle, model, factory, trust_pickle, batch, device, only, warmup, iterations, top, no_op_library,
             trust_bundle, allow_failed, output, as_json, verbose):
     """Per-layer time of BUNDLE in ONNX Runtime, TensorRT and PyTorch, as a table and an HTML page."""
-    from deploykit.bundle.write import write_json
+    from deploykit.bundle.write import json_text, replace_files
     from deploykit.tools import bench as benchmark
     from deploykit.tools import profile as profiling
 
     selected = parse_keys(only, _PROFILED, "--only")
-    with handle_errors(verbose):
+    with handle_errors(verbose) as written:
+        folder = _results_folder(output, bundle)
         opened = _open_checked(bundle, allow_failed)
         settings = profiling.Settings(batch, benchmark.resolve_device(device), warmup, iterations,
                                       op_library=not no_op_library, trust_native=trust_bundle)
@@ -251,9 +256,8 @@ def profile(bundle, model, factory, trust_pickle, batch, device, only, warmup, i
         if selected is None or "pytorch" in selected:
             source = benchmark.load_source(opened, model, factory, trust_pickle)
         result = profiling.run_profile(opened, settings, source, selected, stage_printer(quiet=as_json))
-        folder = _results_folder(output, bundle)
-        write_json(folder / "profile.json", result)
-        (folder / "profile.html").write_text(profiling.render_html(result, top))
+        replace_files(folder, {"profile.json": json_text(result), "profile.html": profiling.render_html(result, top)},
+                      written)
     if as_json:
         echo_json(result)
         return

@@ -117,8 +117,10 @@ class Toolchain:
 
 
 def build_plugins(force: bool = False, cuda_architectures: str | list | None = None,
-                  verbose: bool = False) -> NativeBuild:
+                  verbose: bool = False, before_building: Callable[[Path], None] | None = None) -> NativeBuild:
     """Configure and build ``csrc/`` once per source/option hash; reuse it afterwards.
+    ``before_building(build_dir)`` runs only when CMake is about to start (minutes), so a caller can
+    say why it waits.
 
     Raises EnvironmentProblem when no toolchain (CMake, a C/C++ compiler, ninja or make) is
     found or CMake cannot configure; components that cannot be built are reported, not raised.
@@ -134,6 +136,8 @@ def build_plugins(force: bool = False, cuda_architectures: str | list | None = N
         elif (cached := _read_manifest(build_dir, key)) is not None:
             os.utime(build_dir / MANIFEST)  # last used: what pruning keeps
             return cached
+        if before_building is not None:
+            before_building(build_dir)
         build = _build(build_dir, key, toolchain, headers, archs, verbose)
     prune_builds(KEEP_BUILDS)
     return build
@@ -164,9 +168,10 @@ def _last_used(build_dir: Path) -> float:
     return (manifest if manifest.is_file() else build_dir).stat().st_mtime
 
 
-def find_ort_library() -> Path:
-    """Path of ``libdeploykit_ort.so``, built on first use; EnvironmentProblem if it cannot be."""
-    build = build_plugins()
+def find_ort_library(before_building: Callable[[Path], None] | None = None) -> Path:
+    """Path of ``libdeploykit_ort.so``, built on first use (``before_building`` as :func:`build_plugins`
+    takes it); EnvironmentProblem if it cannot be."""
+    build = build_plugins(before_building=before_building)
     if build.ort_library is None:
         why = build.disabled.get("onnxruntime", Disabled("it was not built", ""))
         raise EnvironmentProblem(f"{LIBRARIES['onnxruntime']} is not available: {why}")

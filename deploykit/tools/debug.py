@@ -67,7 +67,8 @@ def _io_precision(bundle: read.Bundle) -> str | None:
 
 
 def bundle_feeds(bundle: BundleGraphs, feeds_path: Path | None, seed: int, batch: int | None) -> dict:
-    """The user's .npz, or seeded random inputs at ``batch`` (default: the largest validated)."""
+    """The user's .npz, or seeded random inputs at ``batch`` (default: the largest validated); floats are
+    compared in float32, so a user's float64 array is refused unless float32 holds it exactly."""
     specs = []
     sizes = bundle.manifest.get("validation", {}).get("batch_sizes") or [1]
     for entry in bundle.manifest["inputs"]:
@@ -76,8 +77,7 @@ def bundle_feeds(bundle: BundleGraphs, feeds_path: Path | None, seed: int, batch
         kind = np.dtype(entry["dtype"]).kind if entry["dtype"] != "bfloat16" else "f"
         specs.append(InputSpec(entry["name"], tuple(shape), "float32" if kind == "f" else entry["dtype"]))
     if feeds_path is not None:
-        feeds = load_feeds(feeds_path, specs)
-        return {k: v.astype(np.float32) if v.dtype.kind == "f" else v for k, v in feeds.items()}
+        return load_feeds(feeds_path, specs)
     return random_feeds(specs, seed)
 
 

@@ -1,7 +1,7 @@
 """The manifest's ``tuning`` table, and the tuning section of report.json and report.html.
 
-The manifest is rewritten atomically (a sibling file renamed over it); the sha256 entries of the
-graph, op library, engines and packages stay as they were. The report files change (they gain
+The manifest is rewritten atomically (``deploykit.bundle.write.replace_files``); the sha256
+entries of the graph, op library, engines and packages stay as they were. The report files change (they gain
 the table), so their two entries are refreshed in the same manifest write. ``machine`` and
 ``mismatch`` say whether a table was taken on the machine that reads it.
 """
@@ -9,13 +9,12 @@ the table), so their two entries are refreshed in the same manifest write. ``mac
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 
 from deploykit.backends.tensorrt.shim import local_gpus
 from deploykit.bundle.format import MANIFEST, REPORT, REPORT_PAGE, sha256_of
+from deploykit.bundle.write import replace_files
 from deploykit.report.html import render
 
 #: Where report.html holds the tuning section (written empty by convert, filled by tune).
@@ -48,11 +47,11 @@ def write_tuning(bundle: Path, tuning: dict) -> None:
     manifest = json.loads((bundle / MANIFEST).read_text())
     files = manifest.get("files", {})
     for name, text in _reports(bundle, tuning).items():
-        _replace(bundle / name, text)
+        replace_files(bundle, {name: text})
         if name in files:
             files[name] = {"sha256": sha256_of(bundle / name), "bytes": (bundle / name).stat().st_size}
     manifest["tuning"] = tuning
-    _replace(bundle / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    replace_files(bundle, {MANIFEST: json.dumps(manifest, indent=2) + "\n"})
 
 
 def _reports(bundle: Path, tuning: dict) -> dict[str, str]:
@@ -72,16 +71,3 @@ def _reports(bundle: Path, tuning: dict) -> dict[str, str]:
 def html_section(tuning: dict | None) -> str:
     """The tuning section of report.html, between its markers (empty without a table)."""
     return render("tuning.html.j2", tuning=tuning)
-
-
-def _replace(path: Path, text: str) -> None:
-    """Write ``text`` to a sibling temporary file and rename it over ``path``: readers see old or new."""
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w") as stream:
-            stream.write(text)
-        os.chmod(temporary, path.stat().st_mode & 0o777 if path.exists() else 0o644)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise

@@ -1,7 +1,12 @@
-"""Input data for validation: seeded random tensors within the declared shapes, or a user .npz."""
+"""Input data for validation: seeded random tensors within the declared shapes, or a user .npz.
+
+A user's arrays are cast to the declared dtypes only where every value survives (:func:`cast_input`):
+the one rule of ``--inputs`` in convert, debug, run and validate.
+"""
 
 from __future__ import annotations
 
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -53,7 +58,8 @@ def read_arrays(path: str | Path) -> dict[str, np.ndarray]:
 
 
 def load_feeds(path: str | Path, specs: list[InputSpec]) -> dict[str, np.ndarray]:
-    """Read a user's ``.npz`` and check it holds every declared input with a fitting shape."""
+    """Read a user's ``.npz`` and check it holds every declared input with a fitting shape, each
+    cast to its declared dtype only where no value changes (convert and debug compare on these)."""
     arrays = read_arrays(path)
     missing = [spec.name for spec in specs if spec.name not in arrays]
     if missing:
@@ -69,8 +75,56 @@ def load_feeds(path: str | Path, specs: list[InputSpec]) -> dict[str, np.ndarray
                 f"--inputs {path}: {spec.name} has shape {'x'.join(map(str, array.shape))}, "
                 f"the model takes {'x'.join(map(str, spec.shape))} (any batch size)"
             )
-        feeds[spec.name] = array.astype(spec.dtype, copy=False)
+        feeds[spec.name] = cast_input(spec.name, array, spec.dtype, path)
     return feeds
+
+
+def dtype_mismatch(name: str, given: np.dtype, wanted: str) -> str:
+    """How a refused dtype is named, by deploykit.load and every ``--inputs`` alike."""
+    return f"input {name} is {given}, the model takes {wanted}"
+
+
+def cast_input(name: str, array: np.ndarray, dtype: str, path: Path,
+               rounding_notes: list[str] | None = None) -> np.ndarray:
+    """``array`` as ``dtype`` when every value survives the cast (a .npz of Python numbers is
+    float64 or int64); a cast that would change a value is refused, as deploykit.load refuses
+    every cast, unless it only rounds floats and ``rounding_notes`` takes the note."""
+    wanted = np.dtype(dtype)
+    if array.dtype == wanted:
+        return array
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", np.exceptions.ComplexWarning)  # what it warns of is checked below
+        cast = array.astype(wanted)
+        changed = _changed_by_cast(array, cast)
+    if not changed.any():
+        return cast
+    if rounding_notes is not None and _only_rounded(array, cast):
+        rounding_notes.append(f"--inputs {path}: input {name} rounded from {array.dtype} to {dtype}, "
+                              f"the bundle's input dtype ({int(changed.sum())} values changed)")
+        return cast
+    first = tuple(int(i) for i in np.argwhere(changed)[0])
+    example = f"{array[first].item()!r} becomes {cast[first].item()!r}"
+    raise BadInputError(f"--inputs {path}: {dtype_mismatch(name, array.dtype, dtype)}, and the cast would change "
+                        f"{int(changed.sum())} of its values (e.g. {example}): save it as {dtype}")
+
+
+def _changed_by_cast(original: np.ndarray, cast: np.ndarray) -> np.ndarray:
+    """Where a value does not come back from the cast: rounded, overflowed, wrapped, or an
+    imaginary part dropped (NaN stays NaN)."""
+    back = cast.astype(original.dtype)
+    changed = back != original
+    if original.dtype.kind in "fc":
+        changed &= ~(np.isnan(original) & np.isnan(back))
+    if original.dtype.kind == "c" and cast.dtype.kind != "c":
+        changed |= original.imag != 0
+    return changed
+
+
+def _only_rounded(original: np.ndarray, cast: np.ndarray) -> bool:
+    """Floats to floats with nothing finite becoming infinite: rounding, not overflow."""
+    if not original.dtype.kind == cast.dtype.kind == "f":
+        return False
+    return not np.any(np.isfinite(original) & ~np.isfinite(cast))
 
 
 def batch_size(feeds: dict[str, np.ndarray]) -> int:

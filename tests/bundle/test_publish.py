@@ -1,5 +1,6 @@
 """Publishing a bundle never loses data: what ``--force`` may replace, an atomic swap, what an
-interrupted run leaves (and the next run cleans), a destination checked before any work.
+interrupted run leaves (and the next run cleans), a destination checked before any work; and the
+same for the result files bench, profile and tune write into a folder (``replace_files``).
 
 A run is killed at a known step of the publish through ``write.checkpoint`` in a child process
 (SIGKILL: no cleanup runs), or interrupted in this process by a checkpoint that raises.
@@ -188,6 +189,99 @@ def test_a_real_full_disk_is_an_environment_problem_and_leaves_nothing(tiny_disk
         with write.staged_bundle(tiny_disk / "bundle", force=False) as (staging, _manifest):
             (staging / "weights.bin").write_bytes(bytes(2 << 20))
     assert list(tiny_disk.iterdir()) == []
+
+
+# --- result files written into a folder: checked first, then all or none --------------------
+
+OLD = {"bench.json": b"old json", "bench.png": b"old png"}
+NEW = {"bench.json": "new json", "bench.png": b"new png"}
+
+
+@pytest.fixture
+def results(tmp_path) -> Path:
+    """A folder holding the results of an earlier run."""
+    folder = tmp_path / "results"
+    folder.mkdir()
+    for name, data in OLD.items():
+        (folder / name).write_bytes(data)
+    return folder
+
+
+def files_in(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("target, message", [
+    (lambda tmp: Path("/proc/deploykit-out"), "cannot write in /proc .*; choose another -o"),
+    (lambda tmp: tmp / "file.txt" / "sub", "file.txt is not a directory; choose another -o"),
+], ids=["proc", "under-a-file"])
+def test_an_impossible_results_folder_is_refused(tmp_path, target, message):
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(BadInputError, match=message):
+        write.check_results_folder(target(tmp_path))
+
+
+def test_a_results_folder_is_probed_without_being_made(tmp_path, results):
+    write.check_results_folder(tmp_path / "new" / "folder")
+    write.check_results_folder(results)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["results"] and files_in(results) == OLD
+
+
+def test_results_in_a_read_only_folder_are_refused(read_only_dir):
+    with pytest.raises(BadInputError, match=f"cannot write in {read_only_dir} .*Read-only file system"):
+        write.check_results_folder(read_only_dir / "results")
+
+
+def test_results_replace_the_old_ones_and_are_named_as_they_land(tmp_path, results):
+    written = []
+    write.replace_files(results, NEW, written)
+    write.replace_files(tmp_path / "new" / "folder", NEW)
+    expected = {name: data if isinstance(data, bytes) else data.encode() for name, data in NEW.items()}
+    assert files_in(results) == files_in(tmp_path / "new" / "folder") == expected
+    assert written == [results / name for name in NEW]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "new" / "folder" / "bench.png").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+@pytest.mark.parametrize("room", [3, len("new json") + 3], ids=["in-the-first-file", "in-the-second-file"])
+def test_a_full_disk_while_writing_results_is_exit_3_and_changes_nothing(results, monkeypatch, room):
+    monkeypatch.setattr(write, "os", mounts.os_with(fdopen=mounts.filling_fdopen(room)))
+    written = []
+    with pytest.raises(EnvironmentProblem, match=r"the disk of .*results is full \(No space left on device\) writing "
+                       r"bench.json, bench.png \(0.0 MiB\), so none of them was written; free that much") as full:
+        write.replace_files(results, NEW, written)
+    assert full.value.exit_code == 3 and files_in(results) == OLD and written == []
+
+
+def test_an_interrupt_while_writing_results_changes_nothing(results, monkeypatch):
+    monkeypatch.setattr(write, "os", mounts.os_with(fdopen=mounts.filling_fdopen(len("new json") + 3,
+                                                                              KeyboardInterrupt())))
+    written = []
+    with pytest.raises(KeyboardInterrupt):
+        write.replace_files(results, NEW, written)
+    assert files_in(results) == OLD and written == []
+
+
+@pytest.fixture
+def sigint_interrupts():
+    """SIGINT raises KeyboardInterrupt here, even where the shell started the tests with it ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_signal_while_results_land_waits_until_all_of_them_have(results, monkeypatch, sigint_interrupts):
+    def replace(source, target):
+        os.kill(os.getpid(), signal.SIGINT)  # held while the files land: delivered once all are in place
+        os.replace(source, target)
+
+    monkeypatch.setattr(write, "os", mounts.os_with(replace=replace))
+    written = []
+    with pytest.raises(KeyboardInterrupt):
+        write.replace_files(results, NEW, written)
+    assert files_in(results) == {"bench.json": b"new json", "bench.png": b"new png"}
+    assert written == [results / name for name in NEW]
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ the decision (deploykit.bundle.trust) as deploykit.load, inspect and the manifes
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from foreign_library import LIBRARY, foreign_bundle
 @pytest.fixture
 def no_local_build(monkeypatch):
     """This machine cannot build the op library, so a foreign one cannot be swapped for it."""
-    def cannot_build():
+    def cannot_build(before_building=None):
         raise EnvironmentProblem("no toolchain")
     monkeypatch.setattr(trust.native, "find_ort_library", cannot_build)
 
@@ -44,11 +45,38 @@ def test_foreign_library_loads_with_consent(tmp_path, no_local_build):
     assert marker.read_text() == "loaded"
 
 
-def test_foreign_library_replaced_by_this_machines_build(tmp_path):
+BUILD_ANNOUNCED = "building deploykit's op library from its sources"
+
+
+def test_foreign_library_replaced_by_this_machines_build(tmp_path, caplog):
     bundle, marker = foreign_bundle(tmp_path)
     runner = deploykit.load(bundle, device="cpu")
     assert runner.library == trust.native.find_ort_library() and not marker.exists()
     assert any("was not built here: using this machine's build" in note for note in runner.notes)
+    assert BUILD_ANNOUNCED not in caplog.text  # the build was cached: nothing to wait for, nothing said
+
+
+def test_a_build_on_a_cold_cache_is_announced_before_it_starts(tmp_path, monkeypatch, caplog):
+    """deploykit.load replacing a foreign op library on an empty cache starts CMake (minutes): it says
+    so first, and how to skip it. The toolchain, headers and build are stand-ins: no real build."""
+    bundle, marker = foreign_bundle(tmp_path)  # converted before the cache is emptied
+    monkeypatch.setenv("DEPLOYKIT_CACHE", str(tmp_path / "cache"))
+    native = trust.native
+    monkeypatch.setattr(native, "find_toolchain", lambda: native.Toolchain("cmake", "3.30", "Ninja", "ninja", "c++"))
+    monkeypatch.setattr(native, "fetch_headers", lambda verbose=False: native.Headers(None, None, None, {}))
+    said_before_building = []
+
+    def build(build_dir, *_args):
+        said_before_building.append(caplog.text)
+        raise EnvironmentProblem("no build in this test")
+
+    monkeypatch.setattr(native, "_build", build)
+    with caplog.at_level(logging.WARNING, logger=trust.__name__), pytest.raises(trust.UntrustedNativeCode):
+        deploykit.load(bundle, device="cpu")
+    [said] = said_before_building
+    assert BUILD_ANNOUNCED in said and f"cached in {tmp_path / 'cache' / 'build'}" in said, said
+    assert f"the bundle's {LIBRARY} was not built here" in said and "--trust-bundle" in said, said
+    assert "--no-op-library" in said and not marker.exists()
 
 
 def test_unchanged_library_loads_without_consent(no_local_build):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +21,11 @@ import pytest
 from click.testing import CliRunner
 
 import deploykit
+from deploykit.bundle import write
 from deploykit.cli import main
 from deploykit.tools import doctor
 from deploykit.runtime import open_bundle
+import mounts
 from converted_bundles import converted, copy_bundle, edit_manifest
 from deploykit_cli import run_deploykit
 
@@ -426,6 +430,71 @@ def test_profile_function_fallback_has_no_custom_ops(tabular, tmp_path):
     assert result.returncode == 0, result.stderr
     (section,) = json.loads(result.stdout)["sections"]
     assert section["custom_share"] == 0 and "inlined ONNX functions" in section["note"]
+
+
+# --------------------------------------------------------------------------- where bench and profile write
+
+
+@pytest.mark.parametrize("command, out, words", [
+    ("bench", "/proc/deploykit-out", "cannot write in /proc"),
+    ("profile", "file.txt/sub", "file.txt is not a directory"),
+], ids=["bench-proc", "profile-under-a-file"])
+def test_a_bad_results_folder_is_refused_before_any_timing(tmp_path, tabular, command, out, words):
+    (tmp_path / "file.txt").write_text("x")
+    result = cli(command, tabular, "--device", "cpu", "-o", out, cwd=tmp_path)
+    lines = result.stderr.strip().splitlines()  # one line: no stage ran before it
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert words in lines[0] and "choose another -o" in lines[0], result.stderr
+
+
+def profile_in_process(bundle: Path, out: Path):
+    return CliRunner().invoke(main, ["profile", str(bundle), "--only", "onnxruntime", "--iterations", "1",
+                                     "--warmup", "0", "--device", "cpu", "-o", str(out)])
+
+
+OLD_PROFILE = {"profile.json": b"{}", "profile.html": b"<html></html>"}
+
+
+def earlier_profile(folder: Path) -> Path:
+    folder.mkdir(exist_ok=True)
+    for name, data in OLD_PROFILE.items():
+        (folder / name).write_bytes(data)
+    return folder
+
+
+def test_a_full_disk_while_writing_the_profile_is_exit_3_and_keeps_the_earlier_one(tmp_path, tabular, monkeypatch):
+    out = earlier_profile(tmp_path / "out")
+    monkeypatch.setattr(write, "os", mounts.os_with(fdopen=mounts.filling_fdopen(100)))
+    result = profile_in_process(tabular, out)
+    assert result.exit_code == 3, result.output
+    assert f"error: the disk of {out} is full (No space left on device) writing profile.json, profile.html" \
+        in result.output and "Traceback" not in result.output, result.output
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == OLD_PROFILE  # no temporary left either
+
+
+def test_an_interrupt_while_timing_says_nothing_was_written(tmp_path, tabular, monkeypatch):
+    from deploykit.tools import profile as profiling
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(profiling, "run_profile", interrupted)
+    result = profile_in_process(tabular, tmp_path / "out")
+    assert result.exit_code == 130 and "interrupted; nothing was written" in result.output, result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_interrupt_while_the_profile_lands_names_what_was_written(tmp_path, tabular, monkeypatch):
+    out = earlier_profile(tmp_path / "out")
+
+    def replace(source, target):
+        os.kill(os.getpid(), signal.SIGTERM)  # held until both files are in place
+        os.replace(source, target)
+    monkeypatch.setattr(write, "os", mounts.os_with(replace=replace))
+    result = profile_in_process(tabular, out)
+    assert result.exit_code == 130, result.output
+    assert f"interrupted; {out / 'profile.json'} and {out / 'profile.html'} had been written in full before it, " \
+           "nothing else" in result.output, result.output
+    assert json.loads((out / "profile.json").read_text())["sections"][0]["status"] == "ok"
 
 
 @pytest.mark.parametrize("command", ["bench", "profile"])

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-import warnings
 from collections.abc import Mapping  # not typing.Mapping, whose isinstance() costs more
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import numpy as np
 
 from deploykit.errors import BadInputError
 from deploykit.specs import InputSpec
-from deploykit.validation.inputs import random_feeds, read_arrays
+from deploykit.validation.inputs import cast_input, dtype_mismatch, random_feeds, read_arrays
 
 
 # --------------------------------------------------------------------------- inputs
@@ -164,11 +163,6 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
-def dtype_mismatch(name: str, given: np.dtype, wanted: str) -> str:
-    """How a refused dtype is named, by deploykit.load and ``run --inputs`` alike."""
-    return f"input {name} is {given}, the model takes {wanted}"
-
-
 def check_feeds(given: Mapping[str, Feed], specs: list[dict]) -> None:
     """``check_feed`` for every input, once all are classified (as ``as_feed`` refuses first)."""
     for spec in specs:
@@ -270,49 +264,6 @@ def bundle_feeds(specs: list[dict], path: Path | None, batch: int | None = None,
                             f"the model takes {describe_inputs(specs)}: leave {', '.join(unknown)} out of the .npz")
     return {spec["name"]: cast_input(spec["name"], arrays[spec["name"]], spec["dtype"], path, rounding_notes)
             for spec in specs}
-
-
-def cast_input(name: str, array: np.ndarray, dtype: str, path: Path,
-                 rounding_notes: list[str] | None = None) -> np.ndarray:
-    """``array`` as ``dtype`` when every value survives the cast (a .npz of Python numbers is
-    float64 or int64); a cast that would change a value is refused, as deploykit.load refuses
-    every cast, unless it only rounds floats and ``rounding_notes`` takes the note."""
-    wanted = np.dtype(dtype)
-    if array.dtype == wanted:
-        return array
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", np.exceptions.ComplexWarning)  # what it warns of is checked below
-        cast = array.astype(wanted)
-        changed = _changed_by_cast(array, cast)
-    if not changed.any():
-        return cast
-    if rounding_notes is not None and _only_rounded(array, cast):
-        rounding_notes.append(f"--inputs {path}: input {name} rounded from {array.dtype} to {dtype}, "
-                              f"the bundle's input dtype ({int(changed.sum())} values changed)")
-        return cast
-    first = tuple(int(i) for i in np.argwhere(changed)[0])
-    example = f"{array[first].item()!r} becomes {cast[first].item()!r}"
-    raise BadInputError(f"--inputs {path}: {dtype_mismatch(name, array.dtype, dtype)}, and the cast would change "
-                        f"{int(changed.sum())} of its values (e.g. {example}): save it as {dtype}")
-
-
-def _changed_by_cast(original: np.ndarray, cast: np.ndarray) -> np.ndarray:
-    """Where a value does not come back from the cast: rounded, overflowed, wrapped, or an
-    imaginary part dropped (NaN stays NaN)."""
-    back = cast.astype(original.dtype)
-    changed = back != original
-    if original.dtype.kind in "fc":
-        changed &= ~(np.isnan(original) & np.isnan(back))
-    if original.dtype.kind == "c" and cast.dtype.kind != "c":
-        changed |= original.imag != 0
-    return changed
-
-
-def _only_rounded(original: np.ndarray, cast: np.ndarray) -> bool:
-    """Floats to floats with nothing finite becoming infinite: rounding, not overflow."""
-    if not original.dtype.kind == cast.dtype.kind == "f":
-        return False
-    return not np.any(np.isfinite(original) & ~np.isfinite(cast))
 
 
 # --------------------------------------------------------------------------- outputs
