@@ -294,3 +294,16 @@ def test_a_foreign_engine_with_plugins_needs_consent(tmp_path, built):
     assert result.returncode == 2, result.stderr
     assert f"{bundle / name} is native code this machine's deploykit did not build" in result.stderr
     assert "--plugin PATH" in result.stderr
+
+
+def test_an_engine_converted_here_runs_its_plugins_without_consent(tmp_path, built):
+    """Without a GPU, TensorRT itself is what is missing then (exit 3); with one, the engine runs, saying why."""
+    executable, build = built
+    if not build["tensorrt"]:
+        pytest.skip("the TensorRT path was not compiled")
+    bundle = converted("tabular")
+    engine_file(bundle)
+    result = run_cpp(executable, bundle, "--backend", "tensorrt", "--inputs", features(tmp_path), "-o", tmp_path)
+    assert "did not build" not in result.stderr, result.stderr
+    assert result.returncode == 3 or f"(its plugins: {trust.WRITTEN_HERE})" in result.stderr, result.stderr
+    assert python_provenance(bundle, trust.ENGINE) == trust.WRITTEN_HERE
