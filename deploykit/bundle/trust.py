@@ -5,7 +5,8 @@ manifest was written, not who made it. Native code (the ONNX Runtime op library,
 engine with embedded plugins, an AOTInductor package) runs only when it is byte-identical to
 what this machine's deploykit built or wrote into a bundle, or when the user consents (``trust_native=True``,
 ``--trust-bundle``). A foreign op library is replaced by this machine's build where deploykit
-can build one.
+can build one. The C++ runtime (``deploykit-run``) applies the same rule to the same record
+(csrc/runtime/src/trust.cpp) and names it in the same words (WRITTEN_HERE, SAME_AS_BUILD).
 """
 
 from __future__ import annotations
