@@ -44,6 +44,7 @@ std::string cache_dir() {
   return path == "~" || path.rfind("~/", 0) == 0 ? home() + path.substr(1) : path;
 }
 
+// The sha256 of each native file convert wrote into a bundle here, one a line.
 std::set<std::string> written_digests(const std::string& cache) {
   std::string record = cache + "/" + kWrittenRecord;
   if (!file_exists(record)) return {};
