@@ -7,6 +7,8 @@ what this machine's deploykit built or wrote into a bundle, or when the user con
 ``--trust-bundle``). A foreign op library is replaced by this machine's build where deploykit
 can build one; a build that has to start (CMake, minutes, on a cold cache) is announced on the
 ``deploykit.bundle.trust`` logger first, which Python prints on stderr unless logging is set up.
+The C++ runtime (``deploykit-run``) applies the same rule to the same record
+(csrc/runtime/src/trust.cpp) and names it in the same words (WRITTEN_HERE, SAME_AS_BUILD).
 """
 
 from __future__ import annotations

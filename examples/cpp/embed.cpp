@@ -2,9 +2,10 @@
 //
 //   ./embed BUNDLE [auto|onnxruntime|tensorrt|aoti] [--trust-bundle]
 //
-// The bundle's native code (its op library, an engine's plugins, its AOTInductor packages) is loaded
-// only with consent (Options::trust_native, here --trust-bundle); without it, deploykit ops run as
-// ONNX functions. `aoti` needs a runtime configured with libtorch (examples/cpp/README.md).
+// The bundle's native code (its op library, an engine's plugins, its AOTInductor packages) loads when
+// this machine's deploykit built or wrote it, else only with consent (Options::trust_native, here
+// --trust-bundle): a foreign bundle without it is exit 2. `aoti` needs a runtime configured with
+// libtorch (examples/cpp/README.md).
 //
 // Inputs are filled with a ramp at batch 1 (dynamic dimensions become 1); a real program fills
 // Tensor::data from its own buffers (C order, the dtype the model declares).
@@ -23,7 +24,6 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--trust-bundle") options.trust_native = true;
     else options.backend = argv[i];
   }
-  options.op_library = options.trust_native;
   try {
     auto runner = deploykit::open_bundle(argv[1], options);
     deploykit::Tensors inputs;

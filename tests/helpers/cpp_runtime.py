@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -64,6 +65,18 @@ def run_cpp(executable: Path | str, *args, env: dict | None = None) -> subproces
     if result.returncode < 0:
         result.stderr += backtrace(command)
     return result
+
+
+def with_cache(cache: Path) -> dict:
+    """This process's environment with deploykit's cache at ``cache`` (made if missing: an empty cache is a
+    machine whose deploykit built and wrote nothing, so every native file of a bundle is foreign there)."""
+    cache.mkdir(parents=True, exist_ok=True)
+    return {**without_cache(), "DEPLOYKIT_CACHE": str(cache)}
+
+
+def without_cache() -> dict:
+    """This process's environment without DEPLOYKIT_CACHE: the cache is ~/.cache/deploykit of $HOME."""
+    return {name: value for name, value in os.environ.items() if name != "DEPLOYKIT_CACHE"}
 
 
 def backtrace(command: list[str]) -> str:

@@ -1,6 +1,8 @@
 """A shared library whose constructor writes a marker file, built with the C compiler at test time,
 swapped into a copy of a bundle as its op library with the manifest's sha256 updated to match:
-what a stranger's bundle can carry. The marker appears only if something loads the library."""
+what a stranger's bundle can carry. The marker appears only if something loads the library. It
+registers no op (ONNX Runtime then runs deploykit's ops as their ONNX functions), so a runtime
+that loads it with consent runs the bundle and can say under which rule it loaded it."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ __attribute__((constructor)) static void mark(void) {
     FILE *marker = fopen(MARKER, "w");
     if (marker) { fputs("loaded", marker); fclose(marker); }
 }
+void *RegisterCustomOps(void *options, const void *api) { return NULL; } /* NULL: an OrtStatus of success */
 """
 
 

@@ -4,16 +4,16 @@ Built by ``deploykit build-runtime`` (cached: one build for every test and run) 
 Runtime headers deploykit fetches and the libonnxruntime.so.1.* inside the onnxruntime wheel
 (loaded at run time). Its TensorRT path is compiled when TensorRT headers and the CUDA toolkit are
 here; it cannot run without a GPU.
-Like the Python runtime it refuses a changed bundle, paths out of it, and the bundle's own native
-code without --trust-bundle. This build is configured without libtorch (the AOTInductor path and
-its build with libtorch: test_cpp_runtime_aoti.py; build-runtime itself: test_build_runtime.py).
+Like the Python runtime it refuses a changed bundle, paths out of it, and native code from the bundle
+that this machine's deploykit did not build or write unless --trust-bundle (tested with the foreign
+library of the Python side's tests, tests/helpers/foreign_library.py). This build is configured
+without libtorch (the AOTInductor path and its build with libtorch: test_cpp_runtime_aoti.py;
+build-runtime itself: test_build_runtime.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -23,7 +23,12 @@ import pytest
 
 import deploykit
 from converted_bundles import converted, copy_bundle, edit_manifest
-from cpp_runtime import ROOT, built_runtime, configure_and_build, run_cpp, runtime_defines
+from cpp_runtime import (ROOT, built_runtime, configure_and_build, run_cpp, runtime_defines, with_cache,
+                         without_cache)
+from deploykit.bundle import trust
+from deploykit.bundle.read import open_bundle
+from deploykit.native import build as native
+from foreign_library import LIBRARY, foreign_bundle
 
 
 @pytest.fixture(scope="module")
@@ -118,26 +123,16 @@ def test_a_build_without_libtorch_says_how_to_get_the_aoti_path(tmp_path, built)
 def test_embedding_example_builds_and_runs(tmp_path_factory, defines):
     build = tmp_path_factory.mktemp("example-build")
     configure_and_build(ROOT / "examples" / "cpp", build, *defines)
-    result = run_cpp(build / "embed", converted("tabular"), "--trust-bundle")
+    result = run_cpp(build / "embed", converted("tabular"))  # converted here: its op library needs no consent
     assert result.returncode == 0, result.stderr
     assert "output_0: float32 1x4 first=" in result.stdout and "output_1: float32 1x16" in result.stdout
 
 
 # --------------------------------------------------------------------------- a bundle from a stranger
 
-OP_LIBRARY = "libdeploykit_ort.so"
-
-
 def features(directory: Path) -> Path:
     np.save(directory / "features.npy", np.ones((2, 13), np.float32))
     return directory
-
-
-def record_file(bundle: Path, name: str) -> None:
-    """Give the manifest the sha256 and size of bundle/name as it is now, as a forger would."""
-    data = (bundle / name).read_bytes()
-    edit_manifest(bundle, lambda m: m["files"].update({name: {"sha256": hashlib.sha256(data).hexdigest(),
-                                                              "bytes": len(data)}}))
 
 
 def engine_file(bundle: Path) -> str:
@@ -147,7 +142,7 @@ def engine_file(bundle: Path) -> str:
     return engines[0]["file"]
 
 
-@pytest.mark.parametrize("name", ["model.onnx", OP_LIBRARY, "engine"])
+@pytest.mark.parametrize("name", ["model.onnx", LIBRARY, "engine"])
 def test_a_changed_file_is_refused_by_name(tmp_path, built, name):
     executable, build = built
     bundle = copy_bundle("tabular", tmp_path)
@@ -168,7 +163,7 @@ def test_a_changed_file_is_refused_by_name(tmp_path, built, name):
 def test_a_manifest_path_out_of_the_bundle_is_refused(tmp_path, built, case, entry):
     executable, _ = built
     bundle = copy_bundle("tabular", tmp_path / "b")
-    original = "model.onnx" if entry == "model" else OP_LIBRARY
+    original = "model.onnx" if entry == "model" else LIBRARY
     outside = tmp_path / ("outside.onnx" if entry == "model" else "outside.so")
     shutil.copy(bundle / original, outside)
     name = {"absolute": str(outside), "dot-dot": f"../../{outside.name}", "symlink": original}[case]
@@ -207,52 +202,108 @@ def test_a_malformed_manifest_is_bad_input(tmp_path, built, text, message):
     assert "internal error" not in result.stderr
 
 
-def test_the_op_library_needs_consent_or_a_library_of_ones_own(tmp_path, built):
+# --------------------------------------------------------------------------- whose native code runs: trust.py's rule
+
+def python_provenance(bundle: Path, kind: str = trust.OP_LIBRARY) -> str:
+    """What the Python runtime (deploykit.bundle.trust) makes of the bundle's native file of ``kind`` here."""
+    [native] = [n for n in trust.native_files(open_bundle(bundle)) if n.kind == kind]
+    return native.provenance
+
+
+def assert_refused(result: subprocess.CompletedProcess, library: Path) -> None:
+    """Exit 2 and one line naming the library, the rule it failed and the ways out."""
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.splitlines()
+    assert f"{library} is native code this machine's deploykit did not build" in line, line
+    assert all(way in line for way in ("--trust-bundle", "--op-library PATH", "--no-op-library")), line
+
+
+def test_a_bundle_converted_here_runs_without_consent_saying_why(tmp_path, built):
     executable, _ = built
     bundle = converted("tabular")
-    refused = run_cpp(executable, bundle, "--inputs", features(tmp_path), "-o", tmp_path)
-    assert refused.returncode == 2, refused.stderr
-    assert f"{bundle / OP_LIBRARY} is native code from the bundle" in refused.stderr
-    assert "--trust-bundle" in refused.stderr and not (tmp_path / "output_0.npy").exists()
-    own = tmp_path / "mine.so"
-    shutil.copy(bundle / OP_LIBRARY, own)
-    ran = run_cpp(executable, bundle, "--inputs", tmp_path, "-o", tmp_path, "--op-library", own)
-    assert ran.returncode == 0 and f"op library: {own}" in ran.stderr, ran.stderr
+    result = run_cpp(executable, bundle, "--inputs", features(tmp_path), "-o", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"op library: {bundle / LIBRARY} ({trust.WRITTEN_HERE})" in result.stderr
+    assert python_provenance(bundle) == trust.WRITTEN_HERE
 
 
-def constructor_library(directory: Path, marker: Path) -> Path:
-    """A shared library whose constructor writes `marker`: it shows whether anything loaded it."""
-    source = directory / "constructor.c"
-    source.write_text('#include <stdio.h>\n__attribute__((constructor)) static void mark(void) {\n'
-                      f'  FILE* f = fopen("{marker}", "w"); if (f) fclose(f);\n}}\n')
-    library = directory / "libconstructor.so"
-    compiled = subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-o", library, source],
-                              capture_output=True, text=True)
-    assert compiled.returncode == 0, compiled.stderr
-    return library
-
-
-def test_a_swapped_op_library_with_its_sha256_updated_never_loads_without_consent(tmp_path, built):
-    if shutil.which(os.environ.get("CC", "cc")) is None:
-        pytest.skip("no C compiler")
+def test_a_library_identical_to_this_machines_build_runs_without_consent(tmp_path, built, monkeypatch):
+    """A cache that never wrote the bundle, whose build manifest lists a library of the same bytes."""
     executable, _ = built
-    marker = tmp_path / "constructor-ran"
-    bundle = copy_bundle("tabular", tmp_path / "b")
-    shutil.copy(constructor_library(tmp_path, marker), bundle / OP_LIBRARY)
-    record_file(bundle, OP_LIBRARY)
-    refused = run_cpp(executable, bundle, "--inputs", features(tmp_path), "-o", tmp_path)
-    assert refused.returncode == 2 and "is native code from the bundle" in refused.stderr, refused.stderr
+    bundle = converted("tabular")
+    cache = tmp_path / "cache"
+    (cache / "build" / "key" / "lib").mkdir(parents=True)
+    shutil.copy(bundle / LIBRARY, cache / "build" / "key" / "lib" / LIBRARY)
+    listed = {"libraries": {"onnxruntime": f"lib/{LIBRARY}"}}
+    (cache / "build" / "key" / native.MANIFEST).write_text(json.dumps(listed))
+    result = run_cpp(executable, bundle, "--inputs", features(tmp_path), "-o", tmp_path, env=with_cache(cache))
+    assert result.returncode == 0, result.stderr
+    assert f"op library: {bundle / LIBRARY} ({trust.SAME_AS_BUILD})" in result.stderr
+    monkeypatch.setenv("DEPLOYKIT_CACHE", str(cache))
+    assert python_provenance(bundle) == trust.SAME_AS_BUILD
+
+
+@pytest.mark.parametrize("variable", ["DEPLOYKIT_CACHE", "HOME"])
+def test_with_an_empty_cache_the_bundles_library_is_foreign(tmp_path, built, monkeypatch, variable):
+    """An empty $DEPLOYKIT_CACHE, or no DEPLOYKIT_CACHE and a $HOME whose ~/.cache/deploykit is empty."""
+    executable, _ = built
+    bundle = converted("tabular")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = with_cache(empty) if variable == "DEPLOYKIT_CACHE" else {**without_cache(), "HOME": str(empty)}
+    assert_refused(run_cpp(executable, bundle, "--inputs", features(tmp_path), "-o", tmp_path, env=env),
+                   bundle / LIBRARY)
+    assert not (tmp_path / "output_0.npy").exists()
+    monkeypatch.delenv("DEPLOYKIT_CACHE", raising=False)
+    monkeypatch.setenv(variable, str(empty))
+    assert python_provenance(bundle) == trust.FOREIGN
+
+
+def test_a_foreign_library_is_refused_and_runs_with_consent_saying_so(tmp_path, built):
+    """The stranger's library of tests/helpers/foreign_library.py, as the Python runtime's tests use it."""
+    executable, _ = built
+    bundle, marker = foreign_bundle(tmp_path)
+    assert_refused(run_cpp(executable, bundle, "--inputs", features(tmp_path), "-o", tmp_path), bundle / LIBRARY)
     assert not marker.exists()
+    assert python_provenance(bundle) == trust.FOREIGN
+    assert deploykit.load(bundle, device="cpu").library != bundle / LIBRARY and not marker.exists()
     trusted = run_cpp(executable, bundle, "--inputs", tmp_path, "-o", tmp_path, "--trust-bundle")
-    assert marker.exists(), trusted.stderr  # the consent is what stood between the bundle and its code
+    assert trusted.returncode == 0, trusted.stderr
+    assert f"op library: {bundle / LIBRARY} (trusted with --trust-bundle)" in trusted.stderr
+    assert marker.read_text() == "loaded"  # the consent is what stood between the bundle and its code
 
 
-def test_an_engine_with_plugins_needs_consent(tmp_path, built):
+def test_a_library_of_ones_own_instead_of_a_foreign_one(tmp_path, built):
+    executable, _ = built
+    bundle, marker = foreign_bundle(tmp_path)
+    own = tmp_path / "mine.so"
+    shutil.copy(converted("tabular") / LIBRARY, own)
+    ran = run_cpp(executable, bundle, "--inputs", features(tmp_path), "-o", tmp_path, "--op-library", own)
+    assert ran.returncode == 0 and f"op library: {own}\n" in ran.stderr, ran.stderr
+    assert not marker.exists()
+
+
+def test_a_foreign_engine_with_plugins_needs_consent(tmp_path, built):
     executable, build = built
     if not build["tensorrt"]:
         pytest.skip("the TensorRT path was not compiled")
     bundle = converted("tabular")
     name = engine_file(bundle)
-    result = run_cpp(executable, bundle, "--backend", "tensorrt", "--inputs", features(tmp_path), "-o", tmp_path)
+    result = run_cpp(executable, bundle, "--backend", "tensorrt", "--inputs", features(tmp_path), "-o", tmp_path,
+                     env=with_cache(tmp_path / "empty"))
     assert result.returncode == 2, result.stderr
-    assert f"{bundle / name} is native code from the bundle" in result.stderr and "--plugin PATH" in result.stderr
+    assert f"{bundle / name} is native code this machine's deploykit did not build" in result.stderr
+    assert "--plugin PATH" in result.stderr
+
+
+def test_an_engine_converted_here_runs_its_plugins_without_consent(tmp_path, built):
+    """Without a GPU, TensorRT itself is what is missing then (exit 3); with one, the engine runs, saying why."""
+    executable, build = built
+    if not build["tensorrt"]:
+        pytest.skip("the TensorRT path was not compiled")
+    bundle = converted("tabular")
+    engine_file(bundle)
+    result = run_cpp(executable, bundle, "--backend", "tensorrt", "--inputs", features(tmp_path), "-o", tmp_path)
+    assert "did not build" not in result.stderr, result.stderr
+    assert result.returncode == 3 or f"(its plugins: {trust.WRITTEN_HERE})" in result.stderr, result.stderr
+    assert python_provenance(bundle, trust.ENGINE) == trust.WRITTEN_HERE

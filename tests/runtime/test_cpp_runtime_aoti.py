@@ -20,7 +20,9 @@ import pytest
 import deploykit
 from aoti_cases import INPUT, copied, device_of, inputs, package_for, this_machine, tuned
 from converted_bundles import converted, converted_aoti, edit_manifest
-from cpp_runtime import ROOT, built_with_libtorch, run_cpp, runtime_defines
+from cpp_runtime import ROOT, built_with_libtorch, run_cpp, runtime_defines, with_cache
+from deploykit.bundle import trust
+from deploykit.bundle.read import open_bundle
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +98,29 @@ def test_the_package_is_loaded_from_a_private_copy_that_is_removed(tmp_path, bui
     assert not list(private.glob("deploykit-aoti-*"))
 
 
-def test_a_package_needs_consent(tmp_path, built, bundle):
+def test_packages_converted_here_run_without_consent_saying_why(tmp_path, built, bundle):
     executable, _ = built
     result = run_cpp(executable, bundle, "--backend", "aoti", "--inputs", inputs(tmp_path, 1), "-o", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"{package_for(bundle, 1)} (batch 1, {trust.WRITTEN_HERE})" in result.stderr, result.stderr
+
+
+def test_a_foreign_package_needs_consent(tmp_path, built, bundle, monkeypatch):
+    """With an empty cache nothing here built or wrote the packages: the Python runtime calls them foreign too."""
+    executable, _ = built
+    empty = with_cache(tmp_path / "empty")
+    result = run_cpp(executable, bundle, "--backend", "aoti", "--inputs", inputs(tmp_path, 1), "-o", tmp_path,
+                     env=empty)
     assert result.returncode == 2, result.stderr
-    assert "is native code from the bundle" in result.stderr and "--trust-bundle" in result.stderr
+    assert "is native code this machine's deploykit did not build" in result.stderr
+    assert "--trust-bundle" in result.stderr and len(result.stderr.splitlines()) == 1
     assert not (tmp_path / "output.npy").exists()
+    trusted = run_cpp(executable, bundle, "--backend", "aoti", "--inputs", tmp_path, "-o", tmp_path, "--trust-bundle",
+                      env=empty)
+    assert trusted.returncode == 0, trusted.stderr
+    assert f"{package_for(bundle, 1)} (batch 1, trusted with --trust-bundle)" in trusted.stderr, trusted.stderr
+    monkeypatch.setenv("DEPLOYKIT_CACHE", empty["DEPLOYKIT_CACHE"])
+    assert {n.provenance for n in trust.native_files(open_bundle(bundle))} == {trust.FOREIGN}
 
 
 def test_a_changed_package_is_refused_by_name(tmp_path, built, bundle):
@@ -197,10 +216,11 @@ def test_auto_runs_the_packages_the_tuning_table_names_for_the_batch(tmp_path, b
 def test_auto_gives_a_tuned_package_way_to_onnxruntime_without_consent(tmp_path, built, bundle):
     executable, _ = built
     copy = tuned(bundle, tmp_path, this_machine(device_of(bundle)))
-    result = run_cpp(executable, copy, "--inputs", inputs(tmp_path, 1), "-o", tmp_path, "--no-op-library")
+    result = run_cpp(executable, copy, "--inputs", inputs(tmp_path, 1), "-o", tmp_path, "--no-op-library",
+                     env=with_cache(tmp_path / "empty"))
     assert result.returncode == 0, result.stderr
     assert "batch 1: the tuned aoti static does not run here" in result.stderr
-    assert "is native code from the bundle" in result.stderr and "ran:" not in result.stderr
+    assert "is native code this machine's deploykit did not build" in result.stderr and "ran:" not in result.stderr
 
 
 def test_auto_ignores_a_table_tuned_on_another_machine(tmp_path, built, bundle):

@@ -1,9 +1,9 @@
 // The AOTInductor path: the bundle's packages (aoti-*.pt2) through libtorch's AOTIModelPackageLoader.
 //
-// A package is compiled code from the bundle, so it loads only with consent (Options::trust_native),
-// after its sha256 is checked; what libtorch loads is a private copy of the checked bytes. Each call
-// goes to the static package of its batch size, else to the dynamic one whose range takes it; a
-// package is loaded the first time a call needs it. Inputs and outputs are checked against the
+// A package is compiled code from the bundle, so it loads only as native_rule allows (this machine's
+// deploykit wrote it, or Options::trust_native), after its sha256 is checked; what libtorch loads is a
+// private copy of the checked bytes. Each call goes to the static package of its batch size, else to
+// the dynamic one whose range takes it; a package is loaded the first time a call needs it. Inputs and outputs are checked against the
 // manifest's, as the Python runner does (the package itself only knows its compiled shapes).
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
@@ -19,6 +19,7 @@
 #include "aoti_compat.hpp"
 #include "bundle.hpp"
 #include "internal.hpp"
+#include "trust.hpp"
 
 namespace deploykit::detail {
 namespace {
@@ -135,9 +136,12 @@ class AotiRunner : public Runner {
       fail(ErrorKind::Environment, "cannot run " + bundle.directory() + "'s AOTInductor packages here: " + first_problem +
                                        "; convert with --backend aoti here, or run --backend onnxruntime");
     }
-    if (!options.trust_native) {
-      refuse_native(bundle.directory() + "/" + packages_.front().file,
-                    " (an AOTInductor package is compiled code), or run the bundle with --backend onnxruntime");
+    for (const auto& entry : packages_) {  // each may load, or the bundle is refused before any call
+      rules_[entry.file] = native_rule(bundle, entry.file, options.trust_native);
+      if (rules_[entry.file].empty()) {
+        refuse_native(bundle, entry.file, " (an AOTInductor package is compiled code), or run the bundle with "
+                                          "--backend onnxruntime");
+      }
     }
   }
 
@@ -149,7 +153,9 @@ class AotiRunner : public Runner {
 
   std::string describe() const override {
     std::string text = "aoti: libtorch " + libtorch_version() + " on " + device_ + "; packages:";
-    for (const auto& entry : packages_) text += " " + entry.file + " (batch " + batch_text(entry) + ")";
+    for (const auto& entry : packages_) {
+      text += " " + entry.file + " (batch " + batch_text(entry) + ", " + rules_.at(entry.file) + ")";
+    }
     text += "; ran:";
     for (const auto& [file, loader] : loaded_) text += " " + file;
     return text + skipped_;
@@ -249,6 +255,7 @@ class AotiRunner : public Runner {
   std::string device_, skipped_;
   std::vector<TensorInfo> inputs_, outputs_;
   std::vector<AotiEntry> packages_;
+  std::map<std::string, std::string> rules_;  // file: the rule that lets it load (native_rule)
   std::map<std::string, std::unique_ptr<torch::inductor::AOTIModelPackageLoader>> loaded_;
 };
 

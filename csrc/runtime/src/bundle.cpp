@@ -93,6 +93,8 @@ json read_manifest(const std::string& directory) {
   return manifest;
 }
 
+}  // namespace
+
 std::string sha256_hex(const std::vector<unsigned char>& bytes) {
   unsigned char digest[EVP_MAX_MD_SIZE];
   unsigned int size = 0;
@@ -104,8 +106,6 @@ std::string sha256_hex(const std::vector<unsigned char>& bytes) {
   for (unsigned int i = 0; i < size; ++i) hex += {kHex[digest[i] >> 4], kHex[digest[i] & 15]};
   return hex;
 }
-
-}  // namespace
 
 Bundle::Bundle(const std::string& directory) {
   std::string error;
@@ -135,14 +135,18 @@ std::string Bundle::inside(const std::string& name) const {
   return real;
 }
 
-void Bundle::check_sha256(const std::string& name, const std::vector<unsigned char>& bytes) const {
+std::string Bundle::sha256(const std::string& name) const {
   const json& files = manifest_.at("files");
   auto entry = files.find(name);
   if (entry == files.end()) {
     fail(ErrorKind::BadInput, directory_ + "/" + name + " is not listed in manifest.json's files, so its sha256 "
                                   "cannot be checked: refusing the bundle");
   }
-  if (entry->at("sha256").get<std::string>() != sha256_hex(bytes)) {
+  return entry->at("sha256").get<std::string>();
+}
+
+void Bundle::check_sha256(const std::string& name, const std::vector<unsigned char>& bytes) const {
+  if (sha256(name) != sha256_hex(bytes)) {
     fail(ErrorKind::BadInput, directory_ + "/" + name + " does not match its sha256 in manifest.json: it changed "
                                   "after convert; restore it or convert the model again");
   }
@@ -251,12 +255,6 @@ bool Bundle::contains(const std::string& path, std::string* relative) const {
   if (real.empty() || real.compare(0, directory_.size() + 1, directory_ + "/") != 0) return false;
   *relative = real.substr(directory_.size() + 1);
   return true;
-}
-
-void refuse_native(const std::string& path, const std::string& own_option) {
-  fail(ErrorKind::BadInput, path + " is native code from the bundle and is not loaded without consent: pass "
-                                   "--trust-bundle (Options::trust_native) if you trust who made the bundle" +
-                                   own_option);
 }
 
 }  // namespace deploykit::detail

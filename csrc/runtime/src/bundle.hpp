@@ -48,6 +48,8 @@ class Bundle {
   std::string verified_path(const std::string& name) const;
   // The bytes of that file, hashed as read: what is checked is what is used.
   std::vector<unsigned char> verified_bytes(const std::string& name) const;
+  // The sha256 manifest.json records for the file it calls `name`: what those two check its bytes against.
+  std::string sha256(const std::string& name) const;
   std::string model() const;
   std::vector<std::string> op_libraries(const std::string& runtime) const;
   std::vector<EngineEntry> engines() const;
@@ -66,7 +68,7 @@ class Bundle {
   nlohmann::json manifest_;
 };
 
-// The one-line refusal of native code from a bundle loaded without consent.
-[[noreturn]] void refuse_native(const std::string& path, const std::string& own_option);
+// The lowercase hex sha256 of `bytes` (OpenSSL's libcrypto), as manifest.json records it.
+std::string sha256_hex(const std::vector<unsigned char>& bytes);
 
 }  // namespace deploykit::detail

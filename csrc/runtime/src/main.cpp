@@ -6,8 +6,10 @@
 //                 [--aoti-device cpu|cuda] [--aoti-packages both|static|dynamic] [--aoti-package FILE]
 //                 [--device N] [--repeat N]
 //
-// Native code from the bundle (its op library, an engine's plugins, its AOTInductor packages) loads only with --trust-bundle;
-// --op-library / --plugin bring your own build instead. Exit codes as the Python CLI: 0 ok, 2 bad input or usage, 3 missing environment, 4 internal.
+// Native code from the bundle (its op library, an engine's plugins, its AOTInductor packages) loads when this
+// machine's deploykit built or wrote it (the rule of `deploykit run`, src/trust.hpp), else only with
+// --trust-bundle; --op-library / --plugin bring your own build instead. The summary on stderr names the
+// rule each native file loaded under. Exit codes as the Python CLI: 0 ok, 2 bad input or usage, 3 missing environment, 4 internal.
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -29,8 +31,9 @@ const char* kUsage =
     "--backend auto "
     "(the default) is onnxruntime, or the AOTInductor package the bundle's tuning table names for\n"
     "the batch size on a machine like the one it was tuned on.\n"
-    "--trust-bundle loads the bundle's own native code (op library, engine plugins, AOTInductor\n"
-    "packages); without it, pass your own build (--op-library, --plugin) or --no-op-library.\n";
+    "The bundle's native code (op library, engine plugins, AOTInductor packages) loads when this\n"
+    "machine's deploykit built or wrote it; --trust-bundle loads it from anyone; or pass your own\n"
+    "build (--op-library, --plugin) or --no-op-library.\n";
 
 struct Arguments {
   std::string bundle, inputs_dir, output_dir = ".";

@@ -1,5 +1,5 @@
-// The ONNX Runtime path: the manifest's model in a session with the bundle's op library (with consent)
-// or the caller's own.
+// The ONNX Runtime path: the manifest's model in a session with the bundle's op library (when
+// native_rule lets it load) or the caller's own.
 //
 // ONNX Runtime is dlopen'ed and reached through the OrtApi table it hands out
 // (ORT_API_MANUAL_INIT), so this file needs ORT's headers only and runs against any ORT whose
@@ -13,6 +13,7 @@
 
 #include "bundle.hpp"
 #include "internal.hpp"
+#include "trust.hpp"
 
 #ifndef DK_DEFAULT_ORT_LIBRARY
 #define DK_DEFAULT_ORT_LIBRARY ""
@@ -81,21 +82,27 @@ std::string load_onnxruntime(const Options& options) {
   return loaded;
 }
 
-// The op library to register ("" = none): the caller's own, or the bundle's, checked and consented to.
-std::string choose_op_library(const Bundle& bundle, const Options& options) {
-  if (!options.op_library) return "";
+// The op library to register (path "" = none) and, for the bundle's own, the rule that lets it load.
+struct OpLibrary {
+  std::string path, rule;
+};
+
+// The caller's own op library, or the bundle's, checked and allowed by native_rule.
+OpLibrary choose_op_library(const Bundle& bundle, const Options& options) {
+  if (!options.op_library) return {};
   if (!options.op_library_path.empty()) {
     if (!file_exists(options.op_library_path)) fail(ErrorKind::BadInput, "--op-library " + options.op_library_path + ": no such file");
-    return options.op_library_path;
+    return {options.op_library_path, ""};
   }
   auto listed = bundle.op_libraries("onnxruntime");
-  if (listed.empty()) return "";
+  if (listed.empty()) return {};
   std::string path = bundle.verified_path(listed.front());
-  if (!options.trust_native) {
-    refuse_native(path, ", --op-library PATH to use your own build of it, or --no-op-library to run deploykit ops "
-                        "as their ONNX functions");
+  std::string rule = native_rule(bundle, listed.front(), options.trust_native);
+  if (rule.empty()) {
+    refuse_native(bundle, listed.front(), ", --op-library PATH to use your own build of it, or --no-op-library to "
+                                          "run deploykit ops as their ONNX functions");
   }
-  return path;
+  return {path, rule};
 }
 
 class OnnxRuntimeRunner : public Runner {
@@ -107,7 +114,7 @@ class OnnxRuntimeRunner : public Runner {
     std::string model = bundle.verified_path(bundle.model());
     Ort::SessionOptions session_options;
     if (options.threads > 0) session_options.SetIntraOpNumThreads(options.threads);
-    if (!op_library_.empty()) session_options.RegisterCustomOpsLibrary(op_library_.c_str());
+    if (!op_library_.path.empty()) session_options.RegisterCustomOpsLibrary(op_library_.path.c_str());
     session_ = std::make_unique<Ort::Session>(env_, model.c_str(), session_options);
     Ort::AllocatorWithDefaultOptions allocator;
     for (std::size_t i = 0; i < session_->GetInputCount(); ++i) {
@@ -122,7 +129,9 @@ class OnnxRuntimeRunner : public Runner {
   const std::vector<TensorInfo>& outputs() const override { return outputs_; }
 
   std::string describe() const override {
-    return "onnxruntime: " + library_ + "; op library: " + (op_library_.empty() ? "none (ONNX functions)" : op_library_);
+    if (op_library_.path.empty()) return "onnxruntime: " + library_ + "; op library: none (ONNX functions)";
+    std::string rule = op_library_.rule.empty() ? "" : " (" + op_library_.rule + ")";
+    return "onnxruntime: " + library_ + "; op library: " + op_library_.path + rule;
   }
 
   Tensors run(const Tensors& given) override {
@@ -158,7 +167,8 @@ class OnnxRuntimeRunner : public Runner {
   }
 
  private:
-  std::string op_library_, library_;
+  OpLibrary op_library_;
+  std::string library_;
   Ort::Env env_;
   std::unique_ptr<Ort::Session> session_;
   std::vector<TensorInfo> inputs_, outputs_;

@@ -12,6 +12,7 @@
 
 #include "bundle.hpp"
 #include "internal.hpp"
+#include "trust.hpp"
 
 namespace deploykit::detail {
 namespace {
@@ -53,19 +54,21 @@ struct DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 };
 
-// The engine to run, read and checked; whether TensorRT may run the plugin code serialized in it.
+// The engine to run, read and checked; whether TensorRT may run the plugin code serialized in it and,
+// for a bundle's engine, the rule that lets it (native_rule).
 struct EngineChoice {
   std::string path;
   std::vector<unsigned char> bytes;
   bool host_code_allowed;
+  std::string rule;
 };
 
 // options.engine outside the bundle is the caller's own; a bundle engine must be listed and unchanged,
-// and its plugin code runs with consent only (or not at all when the caller brings the plugin library).
+// and its plugin code runs only as native_rule allows (or not at all when the caller brings the plugin library).
 EngineChoice choose_engine(const Bundle& bundle, const Options& options) {
   std::string name;
   if (!options.engine.empty() && !bundle.contains(options.engine, &name)) {
-    return {options.engine, read_file(options.engine), true};
+    return {options.engine, read_file(options.engine), true, ""};
   }
   auto engines = bundle.engines();
   auto entry = std::find_if(engines.begin(), engines.end(),
@@ -76,11 +79,12 @@ EngineChoice choose_engine(const Bundle& bundle, const Options& options) {
   if (entry == engines.end()) fail(ErrorKind::BadInput, "--engine " + options.engine + ": the manifest lists no such engine");
   std::string path = bundle.directory() + "/" + entry->file;
   auto bytes = bundle.verified_bytes(entry->file);
-  if (entry->plugins && !options.trust_native && options.plugin_libraries.empty()) {
-    refuse_native(path, " (its plugin code runs inside TensorRT), or pass --plugin PATH with your own build of the "
-                        "plugin library");
+  std::string rule = entry->plugins ? native_rule(bundle, entry->file, options.trust_native) : "";
+  if (entry->plugins && rule.empty() && options.plugin_libraries.empty()) {
+    refuse_native(bundle, entry->file, " (its plugin code runs inside TensorRT), or pass --plugin PATH with your own "
+                                       "build of the plugin library");
   }
-  return {path, std::move(bytes), options.trust_native && entry->plugins};
+  return {path, std::move(bytes), !rule.empty(), rule};
 }
 
 class TensorRTRunner : public Runner {
@@ -88,6 +92,7 @@ class TensorRTRunner : public Runner {
   TensorRTRunner(const Bundle& bundle, const Options& options) {
     EngineChoice engine = choose_engine(bundle, options);
     engine_path_ = engine.path;
+    plugins_rule_ = engine.rule;
     std::vector<std::string> candidates{"libnvinfer.so.10", "libnvinfer.so"};
     if (!options.tensorrt_library.empty()) candidates = {options.tensorrt_library};
     void* library = open_library(candidates,
@@ -125,7 +130,10 @@ class TensorRTRunner : public Runner {
 
   const std::vector<TensorInfo>& inputs() const override { return inputs_; }
   const std::vector<TensorInfo>& outputs() const override { return outputs_; }
-  std::string describe() const override { return "tensorrt: " + library_ + "; engine: " + engine_path_; }
+  std::string describe() const override {
+    std::string plugins = plugins_rule_.empty() ? "" : " (its plugins: " + plugins_rule_ + ")";
+    return "tensorrt: " + library_ + "; engine: " + engine_path_ + plugins;
+  }
 
   Tensors run(const Tensors& given) override {
     std::vector<std::unique_ptr<DeviceBuffer>> buffers;
@@ -167,7 +175,7 @@ class TensorRTRunner : public Runner {
   }
 
  private:
-  std::string engine_path_, library_;
+  std::string engine_path_, plugins_rule_, library_;
   Logger logger_;
   std::unique_ptr<nvinfer1::IRuntime> runtime_;
   std::unique_ptr<nvinfer1::ICudaEngine> engine_;

@@ -56,9 +56,12 @@ struct Options {
   // to an AOTInductor package, on a machine like the one it was tuned on; or "onnxruntime",
   // "tensorrt", "aoti" (a build with libtorch).
   std::string backend = "auto";
-  // Native code from the bundle (its op library, an engine's plugin code) is loaded only when
-  // trust_native is set, or is replaced by the caller's own library (op_library_path, plugin_libraries).
-  // Every bundle file opened is checked first: inside the bundle and matching its manifest sha256.
+  // Native code from the bundle (its op library, an engine's plugin code, its AOTInductor packages)
+  // loads when it is byte-identical to what this machine's deploykit built or wrote into a bundle (the
+  // record in $DEPLOYKIT_CACHE, default ~/.cache/deploykit, that deploykit.load reads too), else only
+  // when trust_native is set; or the caller's own library replaces it (op_library_path,
+  // plugin_libraries). describe() names the rule each one loaded under. Every bundle file opened is
+  // checked first: inside the bundle and matching its manifest sha256.
   bool trust_native = false;
   // ONNX Runtime: the shared library to load ("" = $DEPLOYKIT_ORT_LIBRARY, the one configured at
   // build time, then libonnxruntime.so.1 on the library path); whether to register the bundle's
