@@ -1,3 +1,4 @@
 from deploykit.cli import main
 
-main()
+if __name__ == "__main__":  # not when serve --workers spawns a worker, which imports this module again
+    main()

@@ -23,7 +23,10 @@ from deploykit.cli._printing import print_notes
                    "repeated) several; instance i runs on device i mod their count (default: auto, "
                    "deploykit.load's choice: GPU 0 or the CPU).")
 @click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Runners per model, each with its own worker.")
+              help="Runners per model, each with its own worker thread.")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Server processes on the one port, each loading every bundle (N times its memory): on a GPU, "
+                   "where one process cannot parse requests as fast as the GPU answers them.")
 @click.option("--max-batch", type=click.IntRange(min=1), help="Rows per run (default: the bundle's maximum batch).")
 @click.option("--max-delay-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
               help="How long the oldest queued request waits for others to join its batch.")
@@ -45,7 +48,7 @@ from deploykit.cli._printing import print_notes
 @allow_failed_option("Serve a bundle whose validation failed.")
 @trust_bundle_option
 @verbose_option()
-def serve(bundles, host, port, backend, devices, instances, max_batch, max_delay_ms, buckets, max_queue,
+def serve(bundles, host, port, backend, devices, instances, workers, max_batch, max_delay_ms, buckets, max_queue,
           max_request_mb, timeout_s, token_file, allow_nan, warmup_runs, no_access_log, allow_failed, trust_bundle,
           verbose):
     """Serve BUNDLES over HTTP with the KServe v2 / Open Inference Protocol and dynamic batching.
@@ -64,14 +67,28 @@ def serve(bundles, host, port, backend, devices, instances, max_batch, max_delay
         options = ServeOptions(backend=backend, devices=tuple(devices) or ("auto",), instances=instances,
                                max_batch=max_batch, buckets=buckets, allow_nan=allow_nan,
                                trust_native=trust_bundle, allow_failed=allow_failed, warmup_runs=warmup_runs)
-        models = load_models(list(bundles), options)
         limits = Limits(max_request_bytes=int(max_request_mb * (1 << 20)), max_queue=max_queue, timeout_s=timeout_s,
                         max_delay_ms=max_delay_ms, token=token)
-    for model in models:
-        print_notes(model.notes, f"{model.name}: ")
-        console.print(server.model_summary(model), soft_wrap=True)
-    server.serve(models, limits, host, port, access_log=not no_access_log,
-                 on_started=lambda url: console.print(f"serving at {url} (v2 API, metrics at {url}/metrics)"))
+        if workers > 1:
+            from deploykit.serving.workers import serve_in_workers
+
+            code = serve_in_workers(list(bundles), options, limits, host, port, workers,
+                                    access_log=not no_access_log, on_loaded=_print_models,
+                                    on_started=lambda url: _print_started(url, f", {workers} workers"))
+            raise SystemExit(code)
+        models = load_models(list(bundles), options)
+    _print_models([(model.name, model.notes, server.model_summary(model)) for model in models])
+    server.serve(models, limits, host, port, access_log=not no_access_log, on_started=_print_started)
+
+
+def _print_models(described: list[tuple[str, list[str], str]]) -> None:
+    for name, notes, summary in described:
+        print_notes(notes, f"{name}: ")
+        console.print(summary, soft_wrap=True)
+
+
+def _print_started(url: str, how: str = "") -> None:
+    console.print(f"serving at {url} (v2 API, metrics at {url}/metrics{how})")
 
 
 def _read_token(path: Path) -> str:

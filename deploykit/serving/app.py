@@ -18,7 +18,7 @@ import time
 import uuid
 import zlib
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -48,8 +48,9 @@ class Limits:
     token: str | None = None
 
 
-def create_app(models: list[ServedModel], limits: Limits) -> FastAPI:
-    """The app; batchers start with it and, at shutdown, finish every queued request before they stop."""
+def create_app(models: list[ServedModel], limits: Limits, on_ready=None):
+    """The app (an ASGI callable); batchers start with it and, at shutdown, finish every queued request
+    before they stop; ``on_ready()`` once every runner is warm."""
     metrics = Metrics()
     served = {model.name: model for model in models}
     batchers: dict[str, Batcher] = {}
@@ -63,6 +64,8 @@ def create_app(models: list[ServedModel], limits: Limits) -> FastAPI:
         async def ready_once_warm():  # requests are queued meanwhile; only readiness waits
             await asyncio.gather(*(asyncio.to_thread(b.wait_warm) for b in batchers.values()))
             state["ready"] = True
+            if on_ready is not None:
+                on_ready()
 
         warming = asyncio.create_task(ready_once_warm())
         yield
@@ -82,8 +85,6 @@ def create_app(models: list[ServedModel], limits: Limits) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(_request, error: HTTPException):
         return error_response(RequestError(error.status_code, str(error.detail), "http"))
-
-    app.add_middleware(AuthAndAccessLog, token=limits.token, metrics=metrics)
 
     def model_for(name: str, version: str | None) -> ServedModel:
         model = served.get(name)
@@ -128,44 +129,88 @@ def create_app(models: list[ServedModel], limits: Limits) -> FastAPI:
 
         return served_config(model_for(name, version), limits.max_delay_ms)
 
-    @app.post("/v2/models/{name}/infer")
-    @app.post("/v2/models/{name}/versions/{version}/infer")
-    async def infer(name: str, request: Request, version: str | None = None):
-        label = name if name in served else UNKNOWN
-        started = time.perf_counter()
-        try:
-            model = model_for(name, version)
-            body, header_length = await _infer(model, request)
-        except RequestError as error:
-            metrics.answered(label, error.status, error.reason)
-            return error_response(error)
-        metrics.answered(label, 200)
-        metrics.request_latency.labels(label).observe(time.perf_counter() - started)
-        if header_length is None:
-            return Response(body, media_type="application/json")
-        return Response(body, media_type="application/octet-stream",
-                        headers={protocol.HEADER_LENGTH: str(header_length)})
-
-    async def _infer(model: ServedModel, request: Request) -> tuple[bytes, int | None]:
-        body = await read_body(request, limits.max_request_bytes)
-        parsed = protocol.parse_infer(body, request.headers.get(protocol.HEADER_LENGTH.lower()), model.inputs)
-        names = protocol.check_outputs(parsed, model.outputs)
-        rows = model.check(parsed.inputs)
-        future = batchers[model.name].submit(parsed.inputs, rows)
-        try:
-            outputs = await asyncio.wait_for(asyncio.wrap_future(future), limits.timeout_s)
-        except asyncio.TimeoutError:
-            raise RequestError(504, f"{model.name} gave no answer within {limits.timeout_s:g} s (--timeout): the "
-                                    "server is overloaded or the model is slow", "timeout") from None
-        return protocol.encode_response(model.name, parsed, names, outputs)
-
     @app.get("/metrics")
     async def prometheus_metrics():
         text, content_type = metrics.render()
         return Response(text, media_type=content_type)
 
-    app.state.metrics = metrics
-    return app
+    infer = InferRoute(app, served, batchers, limits, metrics, model_for)
+    return AuthAndAccessLog(infer, token=limits.token, metrics=metrics)
+
+
+#: The infer paths, with the model's name and (optionally) its version.
+INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
+
+
+class InferRoute:
+    """ASGI: infer requests are answered here, every other request by the FastAPI app behind.
+
+    Infer is the one hot path (thousands a second, each a large body): FastAPI's routing,
+    exception and dependency layers cost more per request than reading and parsing it, so it
+    goes straight from ASGI's receive to the batcher and back to send.
+    """
+
+    def __init__(self, app: FastAPI, served: dict[str, ServedModel], batchers: dict[str, Batcher], limits: Limits,
+                 metrics: Metrics, model_for):
+        self.app, self.served, self.batchers, self.limits = app, served, batchers, limits
+        self.metrics, self.model_for = metrics, model_for
+
+    async def __call__(self, scope, receive, send):
+        match = INFER_PATH.fullmatch(scope["path"]) if scope["type"] == "http" else None
+        if match is None:
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] == "POST":
+            status, headers, body = await self.answer(match[1], match[2], scope, receive)
+        else:
+            refusal = RequestError(405, f"{scope['path']} takes POST", "method", {"Allow": "POST"})
+            status, headers, body = refusal.status, _json_headers(refusal.headers), _error_body(refusal)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def answer(self, name: str, version: str | None, scope, receive) -> tuple[int, list, bytes]:
+        """(status, headers, body) of one infer request; every refusal is a RequestError's JSON."""
+        label = name if name in self.served else UNKNOWN
+        started = time.perf_counter()
+        try:
+            model = self.model_for(name, version)
+            body, header_length = await self.infer(model, Headers(scope=scope), receive)
+        except RequestError as error:
+            self.metrics.answered(label, error.status, error.reason)
+            return error.status, _json_headers(error.headers), _error_body(error)
+        except Exception:  # noqa: BLE001 - a bug answers 500 and is logged; the server stays up
+            logging.getLogger("deploykit.serve").exception("infer request for %s failed", name)
+            self.metrics.answered(label, 500, "internal")
+            return 500, _json_headers(), _error_body(RequestError(500, "internal server error", "internal"))
+        self.metrics.answered(label, 200)
+        self.metrics.request_latency.labels(label).observe(time.perf_counter() - started)
+        if header_length is None:
+            return 200, _json_headers(), body
+        return 200, [(b"content-type", b"application/octet-stream"),
+                     (protocol.HEADER_LENGTH.lower().encode(), str(header_length).encode())], body
+
+    async def infer(self, model: ServedModel, headers: Headers, receive) -> tuple[bytes, int | None]:
+        batcher = self.batchers[model.name]
+        with batcher.arriving():
+            body = await read_body(receive, headers, self.limits.max_request_bytes)
+            parsed = protocol.parse_infer(body, headers.get(protocol.HEADER_LENGTH.lower()), model.inputs)
+            names = protocol.check_outputs(parsed, model.outputs)
+            future = batcher.submit(parsed.inputs, model.check(parsed.inputs))
+        try:
+            outputs = await asyncio.wait_for(asyncio.wrap_future(future), self.limits.timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestError(504, f"{model.name} gave no answer within {self.limits.timeout_s:g} s (--timeout): "
+                                    "the server is overloaded or the model is slow", "timeout") from None
+        return protocol.encode_response(model.name, parsed, names, outputs)
+
+
+def _json_headers(extra: dict | None = None) -> list[tuple[bytes, bytes]]:
+    return [(b"content-type", b"application/json"),
+            *((key.lower().encode(), str(value).encode()) for key, value in (extra or {}).items())]
+
+
+def _error_body(error: RequestError) -> bytes:
+    return json.dumps({"error": str(error)}).encode()
 
 
 class AuthAndAccessLog:
@@ -207,20 +252,25 @@ def _authorized(headers: Headers, token: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(receive, headers: Headers, limit: int) -> bytes:
     """The body, decompressed where the client says so, refused (413) as soon as it passes ``limit``."""
     too_large = RequestError(413, f"the request is larger than {limit} bytes (--max-request-mb): send fewer "
                                   "rows per request", "too_large")
-    declared = request.headers.get("content-length")
+    declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
+    chunks, size, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise RequestError(499, "the client closed the connection before its request arrived", "disconnected")
+        chunk, more = message.get("body", b""), message.get("more_body", False)
         size += len(chunk)
         if size > limit:
             raise too_large
         chunks.append(chunk)
-    return _decompressed(b"".join(chunks), request.headers.get("content-encoding"), limit, too_large)
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return _decompressed(body, headers.get("content-encoding"), limit, too_large)
 
 
 def _decompressed(body: bytes, encoding: str | None, limit: int, too_large: RequestError) -> bytes:

@@ -1,6 +1,9 @@
 """Dynamic batching: requests for one model wait in one queue; one worker thread per runner
 takes what fits in ``max_batch`` rows, waiting at most ``max_delay`` after the oldest request
-arrived, pads the rows up to a bucket size, runs once and splits the outputs back by request.
+arrived for more to join, pads the rows up to a bucket size, runs once and splits the outputs back
+by request. It waits only while that can help: while another request is on its way (being read
+and parsed), or while the rows would be padded (a run costs its bucket's time, so rows that fill
+a bucket exactly, a lone request at batch 1 say, run at once, as Triton's preferred batch sizes do).
 Before its first request a worker warms its runner up (``ServedModel.warmup_sizes``) on its own
 thread, where its first requests will run; ``wait_warm`` returns once all have.
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -43,6 +47,7 @@ class Batcher:
         self.model, self.max_delay, self.max_queue, self.metrics = model, max_delay_s, max_queue, metrics
         self._queue: collections.deque[Pending] = collections.deque()
         self._rows = 0  # the rows in _queue, kept as it changes: workers ask on every wake-up
+        self._arriving = 0  # requests being read and parsed, which may still join a batch
         self._ready = threading.Condition()
         self._closed = False
         self._warm = [threading.Event() for _ in model.runners]
@@ -64,6 +69,19 @@ class Batcher:
             self._queue_changed()
             self._ready.notify()
         return future
+
+    @contextlib.contextmanager
+    def arriving(self):
+        """Around reading, parsing and submitting one request: while any is, a worker with room in
+        its batch waits (up to max_delay) for it."""
+        with self._ready:
+            self._arriving += 1
+        try:
+            yield
+        finally:
+            with self._ready:
+                self._arriving -= 1
+                self._ready.notify_all()
 
     def close(self) -> None:
         """Refuse new requests, let the workers finish every queued one, and wait for them."""
@@ -121,6 +139,7 @@ class Batcher:
                 self._ready.wait()
             deadline = self._queue[0].arrived + self.max_delay
             while (not self._closed and self._rows < self.model.max_batch
+                   and (self._arriving or self._padded(self._rows))
                    and (left := deadline - time.perf_counter()) > 0):
                 self._ready.wait(left)
                 if not self._queue:  # another worker took them
@@ -134,6 +153,9 @@ class Batcher:
                     rows += pending.rows
             self._queue_changed()
             return batch
+
+    def _padded(self, rows: int) -> bool:
+        return self._bucket(rows) != rows
 
     def _run(self, runner, batch: list[Pending]) -> None:
         started = time.perf_counter()

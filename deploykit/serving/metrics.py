@@ -1,14 +1,19 @@
 """What ``/metrics`` exposes, in Prometheus' text format (prometheus-client writes it).
 
-One registry per server, so that servers in one process (the tests) do not share counts.
+One registry per server, so that servers in one process (the tests) do not share counts. The
+workers of ``serve --workers`` (prometheus-client's multiprocess mode, PROMETHEUS_MULTIPROC_DIR)
+write their values to files in one folder, and each renders the sum of them all.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+#: The environment variable that puts prometheus-client in multiprocess mode (read at its import).
+MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"
 #: Rows per run: powers of two up to the largest batches bundles are converted for.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 #: Seconds, from a fraction of a millisecond (a small model on a GPU) to the longest timeout.
@@ -23,7 +28,8 @@ class Metrics:
                                 ["model", "status"], **labelled)
         self.errors = Counter("deploykit_request_errors", "Requests refused or failed, by reason.",
                               ["model", "reason"], **labelled)
-        self.queue_depth = Gauge("deploykit_queue_depth", "Requests waiting for a batch.", ["model"], **labelled)
+        self.queue_depth = Gauge("deploykit_queue_depth", "Requests waiting for a batch.", ["model"],
+                                 multiprocess_mode="livesum", **labelled)
         self.batch_size = Histogram("deploykit_batch_size", "Rows per model run (padding excluded).", ["model"],
                                     buckets=BATCH_BUCKETS, **labelled)
         self.request_latency = Histogram("deploykit_request_latency_seconds",
@@ -46,4 +52,10 @@ class Metrics:
             self.errors.labels(model, reason).inc()
 
     def render(self) -> tuple[bytes, str]:
+        if shared := os.environ.get(MULTIPROCESS_DIR):
+            from prometheus_client import multiprocess
+
+            every_worker = CollectorRegistry()
+            multiprocess.MultiProcessCollector(every_worker, path=shared)
+            return generate_latest(every_worker), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -43,21 +43,23 @@ def configure_logging(access_log: bool) -> None:
 
 
 def serve(models, limits, host: str = "127.0.0.1", port: int = 8000, *, access_log: bool = True,
-          on_started=None) -> None:
-    """Serve ``models`` until SIGTERM or SIGINT; every accepted request is answered before it returns."""
+          on_started=None, on_ready=None, sockets=None) -> None:
+    """Serve ``models`` until SIGTERM or SIGINT; every accepted request is answered before it returns.
+    ``on_started(url)`` once it listens, ``on_ready()`` once every runner is warm; ``sockets``: listen on
+    these instead of host:port (a worker of ``serve --workers``)."""
     import uvicorn
 
     from deploykit.serving.app import create_app
 
     configure_logging(access_log)
-    app = create_app(models, limits)
+    app = create_app(models, limits, on_ready)
     config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="on",
                             timeout_graceful_shutdown=max(limits.timeout_s, 1.0) + 5, server_header=False)
     server = uvicorn.Server(config)
     if on_started is not None:
         _call_when_started(server, on_started)
     with _signals_end_quietly():
-        server.run()
+        server.run(sockets)
 
 
 def _call_when_started(server, on_started) -> None:

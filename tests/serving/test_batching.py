@@ -5,6 +5,7 @@ answers everything still queued.
 
 from __future__ import annotations
 
+import concurrent.futures
 import queue
 import threading
 from pathlib import Path
@@ -45,7 +46,8 @@ def test_requests_within_the_delay_share_one_padded_run():
     metrics = Metrics()
     batcher = Batcher(model, max_delay_s=0.5, max_queue=8, metrics=metrics)
     inputs = [rows(1, 1), rows(2, 2)]  # 3 rows: padded to the bucket 4
-    futures = [batcher.submit({"features": x}, len(x)) for x in inputs]
+    with batcher.arriving():  # the second request is on its way while the first is queued
+        futures = [batcher.submit({"features": x}, len(x)) for x in inputs]
     results = [future.result(timeout=10) for future in futures]
     batcher.close()
     padded = np.concatenate([*inputs, np.zeros((1, 13), np.float32)])
@@ -53,6 +55,19 @@ def test_requests_within_the_delay_share_one_padded_run():
     np.testing.assert_array_equal(results[0]["output_1"], expected["output_1"][:1])
     np.testing.assert_array_equal(results[1]["output_1"], expected["output_1"][1:3])
     assert runs_and_rows(metrics) == (1, 3)  # one run of 3 rows (padding not counted)
+
+
+def test_a_request_with_none_on_its_way_runs_without_waiting_out_the_delay():
+    model = served()
+    batcher = Batcher(model, max_delay_s=30, max_queue=8, metrics=Metrics())
+    lone = batcher.submit({"features": rows(1, 6)}, 1)
+    assert lone.result(timeout=5)["output_0"].shape == (1, 4)  # not 30 s: nothing could have joined it
+    with batcher.arriving():
+        waiting = batcher.submit({"features": rows(1, 7)}, 1)
+        with pytest.raises(concurrent.futures.TimeoutError):  # another request is being read: the batch waits for it
+            waiting.result(timeout=0.5)
+    assert waiting.result(timeout=5)["output_0"].shape == (1, 4)  # ... and runs once none is on its way
+    batcher.close()
 
 
 def test_a_full_batch_runs_at_once_and_close_drains_the_queue():

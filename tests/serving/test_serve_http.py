@@ -38,9 +38,10 @@ def reference(bundle):
 
 @pytest.fixture(scope="module")
 def server(bundle):
-    """tabular and transformer_mlp, two instances each."""
+    """tabular and transformer_mlp, two instances each, runs padded to 4 rows (so a batcher waits for more)."""
     second = converted_bundles.converted("transformer_mlp")
-    with running_server(bundle, second, "--device", "cpu", "--instances", "2", "--max-delay-ms", "20") as running:
+    with running_server(bundle, second, "--device", "cpu", "--instances", "2", "--max-delay-ms", "20",
+                        "--buckets", "4") as running:
         yield running
 
 

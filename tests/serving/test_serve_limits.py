@@ -1,8 +1,9 @@
 """What protects ``deploykit serve``: the bearer token, the request-size and queue limits, the
 per-request timeout, and a graceful shutdown that answers every request it accepted.
 
-Each server here has a long --max-delay-ms, so queued requests stay queued long enough to be
-counted, timed out or caught by SIGTERM.
+Each server here has a long --max-delay-ms and pads every run to 4 rows (--buckets 4: a batcher
+waits for rows that would be padded), so queued requests stay queued long enough to be counted,
+timed out or caught by SIGTERM.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def guarded(bundle, tmp_path_factory):
     token = tmp_path_factory.mktemp("token") / "token"
     token.write_text("s3cret\n")
     with running_server(bundle, "--device", "cpu", "--token-file", token, "--max-request-mb", 4 / 1024,
-                        "--max-queue", "2", "--max-delay-ms", "800") as server:
+                        "--max-queue", "2", "--max-delay-ms", "800", "--buckets", "4") as server:
         yield server
 
 
@@ -83,7 +84,7 @@ def test_full_queue_is_503_with_retry_after(guarded):
 
 
 def test_slow_answer_is_504(bundle):
-    with running_server(bundle, "--device", "cpu", "--timeout", "0.2", "--max-delay-ms", "1000") as server:
+    with running_server(bundle, "--device", "cpu", "--timeout", "0.2", "--max-delay-ms", "1000", "--buckets", "4") as server:
         status, _, answer = post(server, INFER, body()[0])
         assert status == 504 and "no answer within 0.2 s" in json.loads(answer)["error"]
         assert get(server, "/v2/health/live")[0] == 200
@@ -91,7 +92,7 @@ def test_slow_answer_is_504(bundle):
 
 def test_sigterm_answers_queued_requests_then_exits_0(bundle):
     reference = deploykit.load(bundle, device="cpu")
-    with running_server(bundle, "--device", "cpu", "--max-delay-ms", "600", "--max-batch", "4") as server:
+    with running_server(bundle, "--device", "cpu", "--max-delay-ms", "600", "--max-batch", "4", "--buckets", "4") as server:
         requests = [body(seed) for seed in range(3)]
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             answers = [pool.submit(post, server, INFER, request) for request, _ in requests]
