@@ -165,6 +165,7 @@ class InferRoute:
         else:
             refusal = RequestError(405, f"{scope['path']} takes POST", "method", {"Allow": "POST"})
             status, headers, body = refusal.status, _json_headers(refusal.headers), _error_body(refusal)
+        headers.append((b"content-length", str(len(body)).encode()))  # else uvicorn sends the body chunked
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 

@@ -80,16 +80,17 @@ def parse_infer(body: bytes, header_length: str | None, specs: list[dict]) -> In
     return InferRequest(_request_id(request), inputs, outputs, binary)
 
 
-def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
+def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
+    """The JSON header and the binary tensors after it (a view: the tensors are not copied)."""
     if header_length is None:
-        return body, b""
+        return body, memoryview(b"")
     try:
         length = int(header_length)
     except ValueError:
         raise bad(f"{HEADER_LENGTH} is {header_length!r}: it must be the JSON header's length in bytes") from None
     if not 0 < length <= len(body):
         raise bad(f"{HEADER_LENGTH} is {length} but the body has {len(body)} bytes")
-    return body[:length], body[length:]
+    return body[:length], memoryview(body)[length:]
 
 
 def _json_object(header: bytes) -> dict:
@@ -109,7 +110,7 @@ def _request_id(request: dict) -> str | None:
     return value
 
 
-def _input_tensor(entry, blobs: bytes, offset: int, wanted: dict) -> tuple[str, np.ndarray, int]:
+def _input_tensor(entry, blobs: memoryview, offset: int, wanted: dict) -> tuple[str, np.ndarray, int]:
     """One input as a numpy array of the model's dtype; the binary offset after it."""
     if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
         raise bad('every input needs a "name", "shape", "datatype" and "data"')
@@ -137,7 +138,7 @@ def _shape(name: str, shape) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _binary_tensor(name, shape, dtype, size, blobs: bytes, offset: int) -> tuple[np.ndarray, int]:
+def _binary_tensor(name, shape, dtype, size, blobs: memoryview, offset: int) -> tuple[np.ndarray, int]:
     expected = math.prod(shape) * dtype.itemsize
     if not isinstance(size, int) or size != expected:
         raise bad(f"input {name}: binary_data_size is {size}, its shape and datatype take {expected} bytes")
