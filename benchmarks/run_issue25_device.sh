@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# On the H200 (nvidia-h200): issue 25. `deploykit serve` and a real Triton Inference Server (2.51, its
+# python backend running `deploykit export triton --platform python` of the same bundle) measured one
+# after the other by Triton's C++ load generator (benchmarks/perf_analyzer.py: HTTP, one fp32 image or one
+# sequence per request, concurrency 1, 16, 64, 128, 256), on run_issue13_device.sh's tuned fp16 bundles.
+#   OUT=/tmp/results STEPS="setup convert serve triton" MODELS="resnet50 bert_base" bash benchmarks/run_issue25_device.sh
+# setup:   unpacks .gpu/triton-cache.tar.xz (this machine's $DEPLOYKIT_CACHE/triton: tritonserver, its python
+#          backend, perf_analyzer) into $DEPLOYKIT_CACHE, and puts this checkout on python3's path with a .pth file
+#          (Triton's python stub runs the first python3 on PATH and ignores PYTHONPATH).
+# convert: run_issue13_device.sh's convert and tune steps (fp16, AOTInductor static packages at batch 1 and 32),
+#          in the background (setsid: it outlives the call) when BACKGROUND=1; wait for it with STEPS=wait.
+# serve:   deploykit serve --workers $WORKERS (default 8) on cuda:0; triton: tritonserver on the python export.
+# GPU busy %: nvidia-smi's utilization sampled every 200 ms during each concurrency level (busy.txt beside it).
+# Results: $OUT/summary.md, and $OUT/results.tgz with every level's perf_analyzer CSV and log, busy samples,
+# and the servers' logs.
+set -uo pipefail
+: "${OUT:?set OUT to a results folder}"
+root=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH="$root:$root/tests/helpers:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 COLUMNS=200
+export WORK=${WORK:-/tmp/dk-issue13} DEPLOYKIT_CACHE=${DEPLOYKIT_CACHE:-/tmp/dk-cache}
+models=${MODELS:-resnet50 bert_base}
+steps=${STEPS:-setup convert serve triton}
+levels=${LEVELS:-1 16 64 128 256}
+workers=${WORKERS:-8}
+has_step() { [[ " $steps " == *" $1 "* ]]; }
+mkdir -p "$OUT" "$DEPLOYKIT_CACHE"
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+
+if has_step setup; then
+  [ -d "$DEPLOYKIT_CACHE/triton" ] || xz -dc "$root/.gpu/triton-cache.tar.xz" | tar x -C "$DEPLOYKIT_CACHE"
+  site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+  echo "$root" > "$site/deploykit-checkout.pth"
+  python3 -c 'import fastapi, uvicorn, prometheus_client, tritonclient.http; print("serving packages: ok")'
+  stamp "setup"
+fi
+
+if has_step convert; then
+  convert() {
+    OUT="$OUT/convert" STEPS="convert tune" PRECISIONS=fp16 bash "$root/benchmarks/run_issue13_device.sh" $models
+    touch "$WORK/converted"
+  }
+  rm -f "$WORK/converted"
+  if [ "${BACKGROUND:-0}" = 1 ]; then
+    export -f convert; export OUT root models
+    setsid nohup bash -c convert > "$WORK.convert.log" 2>&1 < /dev/null &
+    stamp "converting in the background (log: $WORK.convert.log)"
+  else
+    convert; stamp "converted"
+  fi
+fi
+if has_step wait; then
+  while [ ! -f "$WORK/converted" ]; do sleep 5; done
+  mkdir -p "$OUT/convert"; cp "$WORK.convert.log" "$OUT/convert/" 2>/dev/null
+  stamp "conversions done"
+fi
+
+# perf_analyzer's inputs: zeros for images; real token ids and a full mask for BERT (zeros would mask every token)
+declare -A shapes=([resnet50]="--shape x:3,224,224" [bert_base]="--input-data $WORK/bert-inputs.json")
+python3 - "$WORK/bert-inputs.json" <<'PY'
+import json, sys
+ids = [101] + [(7 * i) % 30000 + 1000 for i in range(126)] + [102]
+json.dump({"data": [{"input_ids": {"content": ids, "shape": [128]},
+                     "attention_mask": {"content": [1] * 128, "shape": [128]}}]}, open(sys.argv[1], "w"))
+PY
+
+sweep() {  # NAME MODEL HTTP_PORT: perf_analyzer at each level, GPU busy sampled beside it
+  for level in $levels; do
+    local dir="$OUT/$1/c$level"; mkdir -p "$dir"
+    nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 200 > "$dir/busy.txt" &
+    local sampler=$!
+    # shellcheck disable=SC2086
+    python3 "$root/benchmarks/perf_analyzer.py" "$2" --http "127.0.0.1:$3" --concurrency "$level" \
+      --measurement-interval-ms 4000 ${shapes[${2%-fp16}]} --out "$dir" > "$dir/run.log" 2>&1
+    kill $sampler; wait $sampler 2>/dev/null
+    stamp "$1 c$level: $(tail -n 1 "$dir/run.log")"
+  done
+}
+wait_for() {  # LOG TEXT SECONDS
+  local deadline=$(( $(date +%s) + $3 ))
+  until grep -q "$2" "$1" 2>/dev/null; do
+    [ "$(date +%s)" -lt "$deadline" ] || { echo "not ready: $1"; tail -n 20 "$1"; return 1; }
+    sleep 1
+  done
+}
+
+for model in $models; do
+  bundle=$WORK/$model-fp16
+  if has_step serve; then
+    python3 -m deploykit serve "$bundle" --device cuda:0 --workers "$workers" --max-batch 32 --no-access-log \
+      --port 18000 > "$OUT/serve-$model.log" 2>&1 &
+    server=$!
+    wait_for "$OUT/serve-$model.log" "serving at" 240 && sweep "serve-$model" "$model-fp16" 18000
+    kill -TERM $server; wait $server; stamp "deploykit serve $model: exit $?"
+  fi
+  if has_step triton; then
+    rm -rf "$WORK/repo"
+    python3 -m deploykit export triton "$bundle" "$WORK/repo" --platform python --device cuda:0 \
+      --instances "${TRITON_INSTANCES:-1}" > "$OUT/export-$model.log" 2>&1
+    python3 - "$WORK/repo" > "$OUT/triton-$model.log" 2>&1 <<'PY' &
+import os, sys
+from deploykit.tools import triton_tools
+server = triton_tools.tritonserver()
+os.execvpe(server.command[0], [*server.command, "--model-repository", sys.argv[1], "--http-port", "18001",
+                               "--grpc-port", "18002", "--metrics-port", "18003"], server.env)
+PY
+    server=$!
+    wait_for "$OUT/triton-$model.log" "Started HTTPService" 300 && sweep "triton-$model" "$model-fp16" 18001
+    kill -TERM $server; wait $server; stamp "tritonserver $model: exit $?"
+  fi
+done
+
+python3 "$root/benchmarks/summarize_issue25.py" "$OUT" > "$OUT/summary.md"
+cat "$OUT/summary.md"
+(cd "$OUT" && shopt -s nullglob && tar czf results.tgz --remove-files ./serve-* ./triton-* ./export-* ./convert)

@@ -1,0 +1,91 @@
+"""The servers x concurrency table of benchmarks/run_issue25_device.sh (or of any folder laid out
+as it lays them out: ``SERVER-MODEL/cLEVEL/perf_analyzer.json`` and ``busy.txt``), and a
+throughput-against-p99 plot of it.
+
+Usage: python benchmarks/summarize_issue25.py RESULTS [--plot FILE.png]   (markdown on stdout)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--plot", type=Path, help="default: RESULTS/throughput_p99.png")
+    args = parser.parse_args()
+    rows = collect(args.results)
+    print(table(rows))
+    if rows:
+        plot(rows, args.plot or args.results / "throughput_p99.png")
+
+
+def collect(results: Path) -> list[dict]:
+    """One row per server, model and concurrency level, in the order the folders sort."""
+    rows = []
+    for level_dir in sorted(results.glob("*-*/c*"), key=_order):
+        server, model = level_dir.parent.name.split("-", 1)
+        report = level_dir / "perf_analyzer.json"
+        measured = json.loads(report.read_text())["results"] if report.is_file() else []
+        for result in measured:
+            rows.append({"server": server, "model": model, **result, "busy": gpu_busy(level_dir / "busy.txt")})
+    return rows
+
+
+def _order(path: Path) -> tuple:
+    return path.parent.name.split("-", 1)[1], path.parent.name, int(re.sub(r"\D", "", path.name) or 0)
+
+
+def gpu_busy(samples: Path) -> float | None:
+    """Mean of nvidia-smi's utilization samples after the first second (start-up excluded)."""
+    if not samples.is_file():
+        return None
+    values = [float(line) for line in samples.read_text().split() if re.fullmatch(r"\d+(\.\d+)?", line)]
+    steady = values[5:] or values
+    return sum(steady) / len(steady) if steady else None
+
+
+def table(rows: list[dict]) -> str:
+    def number(value, digits: int = 2) -> str:
+        return "" if value is None else f"{value:.{digits}f}"
+
+    lines = ["| model | server | concurrency | infer/s | p50 ms | p95 ms | p99 ms | errors | GPU busy % | "
+             "serve / triton |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    triton = {(r["model"], r["concurrency"]): r["throughput"] for r in rows if r["server"] == "triton"}
+    for r in rows:
+        other = triton.get((r["model"], r["concurrency"]))
+        ratio = r["throughput"] / other if r["server"] == "serve" and r["throughput"] and other else None
+        lines.append(f"| {r['model']} | {r['server']} | {r['concurrency']} | {number(r['throughput'], 0)} | "
+                     f"{number(r['p50_ms'])} | {number(r['p95_ms'])} | {number(r['p99_ms'])} | {r['errors']} | "
+                     f"{number(r['busy'], 0)} | {number(ratio)} |" + (f" {r['failure']}" if r["failure"] else ""))
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in rows})
+    figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for axis, model in zip(axes[0], models):
+        for server in sorted({r["server"] for r in rows}):
+            points = [r for r in rows if r["model"] == model and r["server"] == server and r["throughput"]]
+            axis.plot([r["p99_ms"] for r in points], [r["throughput"] for r in points], marker="o", label=server)
+            for r in points:
+                axis.annotate(str(r["concurrency"]), (r["p99_ms"], r["throughput"]), fontsize=8,
+                              textcoords="offset points", xytext=(4, 4))
+        axis.set(title=model, xlabel="p99 latency (ms)", ylabel="inferences / s", xscale="log")
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
