@@ -125,6 +125,17 @@ def test_torch_inputs_that_require_grad_or_are_strided(tabular, features):
     assert np.shares_memory(runtime.as_feed("features", requiring_grad).value, requiring_grad.detach().numpy())
 
 
+def test_a_misaligned_array_runs(tabular, features):
+    """An array viewed at an odd offset of a byte buffer (as an HTTP body's binary tensor is):
+    our kernels refuse misaligned pointers, so the runner hands them an aligned copy."""
+    runner = deploykit.load(tabular, device="cpu")
+    misaligned = np.frombuffer(b"x" + features.tobytes(), dtype=np.float32, offset=1).reshape(features.shape)
+    assert not misaligned.flags.aligned
+    got, want = runner(misaligned), runner(features)
+    for name in runner.output_names:
+        np.testing.assert_array_equal(got[name], want[name])
+
+
 def test_keywords_given_beside_a_dict_take_its_place(tabular, features):
     given = runtime.collect_feeds({"features": np.zeros_like(features)}, {"features": features},
                                   deploykit.load(tabular, device="cpu").inputs)

@@ -79,6 +79,8 @@ def as_feed(name: str, value) -> Feed:
             raise BadInputError(f"input {name} is a non-contiguous CUDA array: pass a contiguous one")
         return Feed(name, value, tuple(interface["shape"]), np.dtype(interface["typestr"]), True)
     array = np.ascontiguousarray(value)
+    if not array.flags.aligned:  # a view at an odd offset of a byte buffer (an HTTP body): kernels need
+        array = array.copy()     # element-aligned pointers, and ONNX Runtime passes numpy's own
     return Feed(name, array, array.shape, array.dtype, False)
 
 
