@@ -54,7 +54,7 @@ def model_config(name: str, platform: str, inputs: list[dict], outputs: list[dic
     config = {"name": name, "backend" if platform in BACKENDS else "platform": platform, "max_batch_size": max_batch,
               "input": tensor_configs(inputs, max_batch > 0), "output": tensor_configs(outputs, max_batch > 0)}
     if max_batch > 0:
-        config["dynamic_batching"] = {"preferred_batch_size": preferred,
+        config["dynamic_batching"] = {**({"preferred_batch_size": preferred} if preferred else {}),
                                       "max_queue_delay_microseconds": round(max_delay_ms * 1000)}
     config["instance_group"] = instance_groups(instances, gpus)
     return config
@@ -161,8 +161,7 @@ def export_triton(bundle_path: Path, repo: Path, name: str | None = None, *, pla
         raise BadInputError(f"{model_dir} exists: pass --force to replace it, or choose another --name")
     dynamic = batch_range(bundle.inputs, bundle.outputs)
     max_batch = dynamic[2] if dynamic else 0
-    preferred = sorted({b for b in bundle.manifest.get("validation", {}).get("batch_sizes", [])
-                        if dynamic and dynamic[0] <= b <= dynamic[2]})
+    preferred = [] if platform == "python" else _preferred_sizes(bundle, dynamic)
     config = model_config(name, PLATFORMS[platform], bundle.inputs, bundle.outputs, max_batch, preferred,
                           max_delay_ms, instances, [device_id] * instances if kind == "cuda" else None)
     if warmup := model_warmup(bundle.inputs, _warmup_sizes(bundle, platform, dynamic, preferred), warmup_runs,
@@ -185,6 +184,15 @@ def export_triton(bundle_path: Path, repo: Path, name: str | None = None, *, pla
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return TritonExport(model_dir, PLATFORMS[platform], ["config.pbtxt", "README.md", *files], command)
+
+
+def _preferred_sizes(bundle: Bundle, dynamic: tuple | None) -> list[int]:
+    """Triton's preferred_batch_size: the validated sizes. Triton runs a batch of a preferred size
+    at once, so with 1 among them a lone request never waits for others; the python model leaves
+    them out: it pads runs up to its buckets itself, and Triton then waits up to max_queue_delay
+    for max_batch_size rows, as serve's batcher does."""
+    return sorted({b for b in bundle.manifest.get("validation", {}).get("batch_sizes", [])
+                   if dynamic and dynamic[0] <= b <= dynamic[2]})
 
 
 def _warmup_sizes(bundle: Bundle, platform: str, dynamic: tuple | None, preferred: list[int]) -> list[int]:
