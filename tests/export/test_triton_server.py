@@ -25,7 +25,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 import converted_bundles  # noqa: E402
 import triton_server  # noqa: E402
-from deploykit_cli import run_deploykit  # noqa: E402
+from deploykit_cli import run_benchmark, run_deploykit  # noqa: E402
 
 import deploykit  # noqa: E402
 from deploykit.export.triton import export_triton  # noqa: E402
@@ -151,6 +151,33 @@ def test_the_load_fails_on_a_bundle_changed_after_export_and_for_the_missing_bac
     assert ort["state"] == "UNAVAILABLE"  # its whole reason: Triton read our config and found no backend to run it
     assert ort["reason"] == ("Invalid argument: unable to find backend library for backend 'onnxruntime', try "
                              "specifying runtime on the model configuration.")
+
+
+def test_perf_analyzer_measures_both_protocols_and_counts_refused_requests(triton, tmp_path):
+    """benchmarks/perf_analyzer.py against this server, short: its numbers are those perf_analyzer
+    printed (the CSV read right); NaN inputs (a folder of raw inputs) refused by the model, counted."""
+    short = ["--concurrency", "2", "--measurement-interval-ms", "500", "--stability-percentage", "100"]
+    measured = run_benchmark("perf_analyzer.py", "tab", "--http", triton.http_url, "--grpc", triton.grpc_url,
+                             *short, "--out", tmp_path / "good")
+    assert measured.returncode == 0, measured.stderr
+    results = json.loads((tmp_path / "good" / "perf_analyzer.json").read_text())["results"]
+    assert [(r["protocol"], r["concurrency"], r["errors"], r["failure"]) for r in results] == [
+        ("http", 2, 0, None), ("grpc", 2, 0, None)]
+    for result in results:
+        printed = (tmp_path / "good" / f"{result['protocol']}-c2.log").read_text()
+        assert f"Throughput: {result['throughput']:g} infer/sec" in printed
+        assert f"p99 latency: {round(result['p99_ms'] * 1000)} usec" in printed
+        assert 0 < result["p50_ms"] <= result["p95_ms"] <= result["p99_ms"]
+    raw = tmp_path / "nan-inputs"
+    raw.mkdir()
+    np.full(13, np.nan, np.float32).tofile(raw / "features")
+    refused = run_benchmark("perf_analyzer.py", "tab", "--http", triton.http_url, *short, "--input-data", raw,
+                            "--out", tmp_path / "nan")
+    assert refused.returncode == 1, refused.stderr
+    [result] = json.loads((tmp_path / "nan" / "perf_analyzer.json").read_text())["results"]
+    assert result["errors"] == 2 and result["throughput"] is None  # each of the 2 threads stopped at its first
+    assert "input features holds 13 NaN or infinite values" in result["failure"]
+    assert "| http | 2 |  |  |  |  | 2 | input features holds 13 NaN" in (tmp_path / "nan" / "perf_analyzer.md").read_text()
 
 
 def test_sigterm_stops_it_cleanly(triton):
