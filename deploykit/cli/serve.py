@@ -109,8 +109,9 @@ def export() -> None:
 @click.argument("bundle", type=BUNDLE)
 @click.argument("repo", type=click.Path(path_type=Path, file_okay=False))
 @click.option("--name", help="Model name (default: the bundle's folder name).")
-@click.option("--platform", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime", show_default=True,
-              help="onnxruntime_onnx (the graph and our op library) or tensorrt_plan (the bundle's engine).")
+@click.option("--platform", type=click.Choice(["onnxruntime", "tensorrt", "python"]), default="onnxruntime",
+              show_default=True, help="onnxruntime_onnx (the graph and our op library), tensorrt_plan (the bundle's "
+              "engine) or python (the bundle run by deploykit.load in Triton's python backend: every backend).")
 @click.option("--device", default="cuda", show_default=True, metavar="cpu|cuda[:N]", help="Triton's instance kind.")
 @click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True, help="instance_group count.")
 @click.option("--max-delay-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
@@ -119,19 +120,22 @@ def export() -> None:
               help="Where Triton sees REPO (the op library is named by that path).")
 @click.option("--warmup-runs", type=click.IntRange(min=0), default=3, show_default=True,
               help="model_warmup: requests per batch size Triton runs before the model is ready; 0: none.")
+@click.option("--allow-nan", is_flag=True,
+              help="--platform python: pass NaN and infinite inputs to the model instead of refusing them.")
 @click.option("--force", is_flag=True, help="Replace REPO/NAME when it exists.")
 @allow_failed_option("Export a bundle whose validation failed.")
 @trust_bundle_option
 @verbose_option()
-def triton(bundle, repo, name, platform, device, instances, max_delay_ms, server_repo, warmup_runs, force,
+def triton(bundle, repo, name, platform, device, instances, max_delay_ms, server_repo, warmup_runs, allow_nan, force,
            allow_failed, trust_bundle, verbose):
-    """Write BUNDLE as REPO/NAME (config.pbtxt, 1/model.onnx or 1/model.plan, README.md) for Triton."""
+    """Write BUNDLE as REPO/NAME (config.pbtxt, 1/model.onnx, 1/model.plan or 1/model.py and 1/bundle, README.md)
+    for Triton."""
     from deploykit.export.triton import export_triton
 
     with handle_errors(verbose):
         repo.mkdir(parents=True, exist_ok=True)
         result = export_triton(bundle, repo, name, platform=platform, max_delay_ms=max_delay_ms, instances=instances,
                                device=device, server_repo=server_repo, warmup_runs=warmup_runs,
-                               trust_native=trust_bundle, allow_failed=allow_failed, force=force)
+                               trust_native=trust_bundle, allow_failed=allow_failed, allow_nan=allow_nan, force=force)
     console.print(f"Wrote {result.model_dir} ({result.platform}): {', '.join(result.files)}", soft_wrap=True)
     console.print(f"Serve it with: {result.command}", soft_wrap=True)

@@ -297,7 +297,7 @@ class HeaderSet:
     cached_include: str
     #: what ``$<env>`` should point at
     release: str
-    #: fills a staging folder with the set, or raises _FetchFailed
+    #: fills a staging folder with the set, or raises FetchFailed
     fetch: Callable[[Path, bool], None]
 
     def find(self, verbose: bool = False) -> tuple[Path | None, Disabled | None]:
@@ -309,12 +309,13 @@ class HeaderSet:
             return None, Disabled(f"{self.env}={root} has no include/{self.header}",
                                   f"point {self.env} at an unpacked {self.release}")
         target = cache_dir() / "headers" / self.name
-        problem = _fetch_once(target, f"{self.cached_include}/{self.header}", self.fetch, verbose)
+        problem = fetch_once(target, f"{self.cached_include}/{self.header}", self.fetch, verbose)
         return (None, problem) if problem else (target / self.cached_include, None)
 
 
-def _fetch_once(target: Path, marker: str, fetch, verbose: bool) -> Disabled | None:
-    """Make sure ``target/marker`` exists, fetching the header set if not; None when it does."""
+def fetch_once(target: Path, marker: str, fetch, verbose: bool) -> Disabled | None:
+    """Make sure ``target/marker`` exists, ``fetch(staging, verbose)`` filling the folder if not (it
+    raises FetchFailed); None when it does, else why not. Concurrent processes fetch once."""
     if (target / marker).is_file():  # the common, offline case: no lock, no network
         return None
     return _fetch_locked(target, marker, fetch, verbose)
@@ -332,13 +333,15 @@ def _fetch_locked(target: Path, marker: str, fetch, verbose: bool) -> Disabled |
             fetch(staging, verbose)
             staging.replace(target)
             return None
-        except _FetchFailed as failure:
+        except FetchFailed as failure:
             return failure.disabled
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-class _FetchFailed(Exception):
+class FetchFailed(Exception):
+    """A download or unpack step that failed: why, and what to install or set instead."""
+
     def __init__(self, reason: str, install: str):
         super().__init__(reason)
         self.disabled = Disabled(reason, install)
@@ -350,17 +353,17 @@ ORT_INSTALL_HINT = "set ORT_ROOT to an unpacked ONNX Runtime release"
 def _fetch_debian_ort(staging: Path, verbose: bool) -> None:
     """Download Debian trixie's libonnxruntime-dev with a private apt state and unpack its headers."""
     if not shutil.which("apt-get") or not shutil.which("dpkg-deb"):
-        raise _FetchFailed("no ONNX Runtime headers, and apt-get/dpkg-deb are missing to fetch them", ORT_INSTALL_HINT)
+        raise FetchFailed("no ONNX Runtime headers, and apt-get/dpkg-deb are missing to fetch them", ORT_INSTALL_HINT)
     mirror = debian_mirror()
     if mirror is None:
-        raise _FetchFailed("no ONNX Runtime headers, and no Debian mirror in the apt sources", ORT_INSTALL_HINT)
+        raise FetchFailed("no ONNX Runtime headers, and no Debian mirror in the apt sources", ORT_INSTALL_HINT)
     with tempfile.TemporaryDirectory(prefix="deploykit-apt-") as work:
         deb = _apt_download(Path(work), mirror, verbose)
         unpacked = Path(work) / "root"
-        _run_fetch(["dpkg-deb", "-x", str(deb), str(unpacked)], "dpkg-deb -x", ORT_INSTALL_HINT, verbose)
+        run_fetch(["dpkg-deb", "-x", str(deb), str(unpacked)], "dpkg-deb -x", ORT_INSTALL_HINT, verbose)
         headers = unpacked / "usr" / "include" / "onnxruntime"
         if not (headers / "onnxruntime_cxx_api.h").is_file():
-            raise _FetchFailed(f"{deb.name} has no onnxruntime_cxx_api.h", ORT_INSTALL_HINT)
+            raise FetchFailed(f"{deb.name} has no onnxruntime_cxx_api.h", ORT_INSTALL_HINT)
         shutil.copytree(headers, staging / "include" / "onnxruntime")
     (staging / "SOURCE").write_text(f"{deb.name} from {mirror} {ORT_DEBIAN_SUITE}\n")
 
@@ -380,13 +383,13 @@ def _apt_download(work: Path, mirror: str, verbose: bool) -> Path:
         options["APT::Sandbox::User"] = "root"
     apt = ["apt-get", "-q"] + [arg for k, v in options.items() for arg in ("-o", f"{k}={v}")]
     # --error-on=any: an unreachable mirror fails here, not later as "Unable to locate package"
-    _run_fetch(apt + ["update", "--error-on=any"], f"apt-get update ({mirror} {ORT_DEBIAN_SUITE})",
+    run_fetch(apt + ["update", "--error-on=any"], f"apt-get update ({mirror} {ORT_DEBIAN_SUITE})",
                ORT_INSTALL_HINT, verbose)
-    _run_fetch(apt + ["download", ORT_DEBIAN_PACKAGE], f"apt-get download {ORT_DEBIAN_PACKAGE}",
+    run_fetch(apt + ["download", ORT_DEBIAN_PACKAGE], f"apt-get download {ORT_DEBIAN_PACKAGE}",
                ORT_INSTALL_HINT, verbose, cwd=work)
     debs = sorted(work.glob(f"{ORT_DEBIAN_PACKAGE}_*.deb"))
     if not debs:
-        raise _FetchFailed(f"apt-get download left no {ORT_DEBIAN_PACKAGE} package", ORT_INSTALL_HINT)
+        raise FetchFailed(f"apt-get download left no {ORT_DEBIAN_PACKAGE} package", ORT_INSTALL_HINT)
     return debs[0]
 
 
@@ -478,35 +481,43 @@ def _fetch_wheel_headers(staging: Path, requirement: str, prefix: str, marker: s
     """Download a wheel (no dependencies, not installed) and unzip its headers under ``prefix`` into
     ``staging/include`` (one flat folder, or the folders below ``prefix``)."""
     with tempfile.TemporaryDirectory(prefix="deploykit-pip-") as work:
-        _run_fetch([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                    "--disable-pip-version-check", "--timeout", NETWORK_TIMEOUT_S, "--retries", "1",
-                    "-d", work, requirement],
-                   f"pip download {requirement}", hint, verbose)
-        wheels = sorted(Path(work).glob("*.whl"))
-        if not wheels:
-            raise _FetchFailed(f"pip download {requirement} left no wheel", hint)
-        with zipfile.ZipFile(wheels[0]) as wheel:
+        path = pip_download(requirement, Path(work), hint, verbose)
+        with zipfile.ZipFile(path) as wheel:
             members = [m for m in wheel.namelist() if m.startswith(prefix) and m.endswith((".h", ".hpp"))]
             if not any(m.endswith("/" + marker) for m in members):
-                raise _FetchFailed(f"{wheels[0].name} has no {marker}", hint)
+                raise FetchFailed(f"{path.name} has no {marker}", hint)
             for member in members:
                 target = staging / "include" / (Path(member).name if flatten else member[len(prefix):])
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(wheel.read(member))
-        (staging / "SOURCE").write_text(f"{wheels[0].name}: {prefix}\n")
+        (staging / "SOURCE").write_text(f"{path.name}: {prefix}\n")
 
 
-def _run_fetch(command: list[str], what: str, hint: str, verbose: bool, cwd: Path | None = None) -> None:
-    """Run a download step; its failure becomes a _FetchFailed naming the step and its last error."""
+def pip_download(requirement: str, work: Path, hint: str, verbose: bool) -> Path:
+    """One wheel downloaded into ``work``, without its dependencies and not installed (what we unzip
+    needs none of them, and installing could change this environment's packages)."""
+    run_fetch([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "--timeout", NETWORK_TIMEOUT_S, "--retries", "1",
+               "-d", str(work), requirement],
+              f"pip download {requirement}", hint, verbose)
+    name = re.split(r"[=<>!~ ]", requirement, maxsplit=1)[0].replace("-", "_").lower()
+    wheels = sorted(w for w in work.glob("*.whl") if w.name.lower().startswith(name + "-"))
+    if not wheels:
+        raise FetchFailed(f"pip download {requirement} left no wheel", hint)
+    return wheels[0]
+
+
+def run_fetch(command: list[str], what: str, hint: str, verbose: bool, cwd: Path | None = None) -> None:
+    """Run a download step; its failure becomes a FetchFailed naming the step and its last error."""
     hint = f"check network access to the package mirrors, or {hint}"
     try:
         result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired) as error:
-        raise _FetchFailed(f"{what} failed: {error}", hint) from error
+        raise FetchFailed(f"{what} failed: {error}", hint) from error
     if verbose:
         sys.stderr.write(result.stdout + result.stderr)
     if result.returncode != 0:
-        raise _FetchFailed(f"{what} failed: {_last_error(result.stdout + result.stderr)}", hint)
+        raise FetchFailed(f"{what} failed: {_last_error(result.stdout + result.stderr)}", hint)
 
 
 ORT_HEADERS = HeaderSet("onnxruntime", "ORT_ROOT", "onnxruntime_cxx_api.h", ("include", "include/onnxruntime"),

@@ -155,57 +155,68 @@ class Batcher:
             return batch
 
     def _padded(self, rows: int) -> bool:
-        return self._bucket(rows) != rows
+        return _bucket(self.model.buckets, rows) != rows
 
     def _run(self, runner, batch: list[Pending]) -> None:
         started = time.perf_counter()
-        rows = sum(p.rows for p in batch)
+        rows = [p.rows for p in batch]
         try:
-            outputs = runner.run(self._feeds(batch, rows))
-            results = self._split(outputs, batch)
+            results = run_rows(self.model, runner, [p.inputs for p in batch], rows)
         except Exception as error:  # noqa: BLE001 - every waiting request gets an answer
-            failure = _as_request_error(error, self.model.name)
+            failure = as_request_error(error, self.model.name)
             for pending in batch:
                 pending.future.set_exception(failure)
             return
         finally:
-            self.metrics.observe_run(self.model.name, rows, started, [p.arrived for p in batch])
+            self.metrics.observe_run(self.model.name, sum(rows), started, [p.arrived for p in batch])
         for pending, result in zip(batch, results):
             pending.future.set_result(result)
 
-    def _feeds(self, batch: list[Pending], rows: int) -> dict[str, np.ndarray]:
-        if not self.model.batching:
-            return batch[0].inputs
-        size = self._bucket(rows)
-        feeds = {}
-        for spec in self.model.inputs:
-            parts = [p.inputs[spec["name"]] for p in batch]
-            if size > rows:
-                parts.append(np.zeros((size - rows, *parts[0].shape[1:]), parts[0].dtype))
-            feeds[spec["name"]] = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        return feeds
 
-    def _bucket(self, rows: int) -> int:
-        """The smallest bucket that holds ``rows`` (the rows themselves without buckets, or beyond them)."""
-        buckets = self.model.buckets
-        index = bisect.bisect_left(buckets, rows)
-        return buckets[index] if index < len(buckets) else rows
-
-    def _split(self, outputs: dict, batch: list[Pending]) -> list[dict]:
-        if not self.model.batching:
-            return [outputs]
-        rows, wanted = {name: np.shape(value)[0] for name, value in outputs.items()}, sum(p.rows for p in batch)
-        if any(n < wanted for n in rows.values()):
-            raise RuntimeError(f"outputs have {rows} rows for {wanted} input rows: serve with --max-batch 1")
-        results, start = [{} for _ in batch], 0
-        for pending, result in zip(batch, results):
-            for name, value in outputs.items():
-                result[name] = value[start:start + pending.rows]
-            start += pending.rows
-        return results
+def run_rows(model: ServedModel, runner, requests: list[dict[str, np.ndarray]], rows: list[int]) -> list[dict]:
+    """Several checked requests (``ServedModel.check`` gave their rows) in one run of ``runner``:
+    their rows concatenated in order and padded up to the bucket, the outputs split back by request.
+    ``deploykit serve``'s batcher and the Triton python model both run batches through here."""
+    outputs = runner.run(_batch_feeds(model, requests, sum(rows)))
+    return _split(model, outputs, rows)
 
 
-def _as_request_error(error: Exception, model: str) -> RequestError:
+def _batch_feeds(model: ServedModel, requests: list[dict[str, np.ndarray]], rows: int) -> dict[str, np.ndarray]:
+    """One feed per input: the requests' rows in order, zero rows padded up to the bucket."""
+    if not model.batching:
+        return requests[0]
+    size = _bucket(model.buckets, rows)
+    feeds = {}
+    for spec in model.inputs:
+        parts = [inputs[spec["name"]] for inputs in requests]
+        if size > rows:
+            parts.append(np.zeros((size - rows, *parts[0].shape[1:]), parts[0].dtype))
+        feeds[spec["name"]] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return feeds
+
+
+def _bucket(buckets: list[int], rows: int) -> int:
+    """The smallest bucket that holds ``rows`` (the rows themselves without buckets, or beyond them)."""
+    index = bisect.bisect_left(buckets, rows)
+    return buckets[index] if index < len(buckets) else rows
+
+
+def _split(model: ServedModel, outputs: dict, rows: list[int]) -> list[dict]:
+    """Each request's rows of the run's outputs (padding rows dropped)."""
+    if not model.batching:
+        return [outputs]
+    have, wanted = {name: np.shape(value)[0] for name, value in outputs.items()}, sum(rows)
+    if any(n < wanted for n in have.values()):
+        raise RuntimeError(f"outputs have {have} rows for {wanted} input rows: serve with --max-batch 1")
+    results, start = [], 0
+    for count in rows:
+        results.append({name: value[start:start + count] for name, value in outputs.items()})
+        start += count
+    return results
+
+
+def as_request_error(error: Exception, model: str) -> RequestError:
+    """A failed run as the answer each of its requests gets: 400 for bad input, else 500 (logged)."""
     if isinstance(error, RequestError):
         return error
     if isinstance(error, BadInputError):

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from deploykit.backends.base.feeds import batch_outside_range, batch_sizes, collect_feeds
+from deploykit.bundle.read import Bundle, open_bundle
 from deploykit.errors import BadInputError
 from deploykit.runtime.choose import parse_device
 from deploykit.serving.protocol import RequestError, bad, tensor_metadata
@@ -106,7 +107,7 @@ def _refuse_non_finite(inputs: dict[str, np.ndarray]) -> None:
         if array.dtype.kind == "f" and not np.isfinite(array).all():
             count = int(array.size - np.isfinite(array).sum())
             raise RequestError(400, f"input {name} holds {count} NaN or infinite values, which the bundle was not "
-                                    "validated with (serve with --allow-nan to pass them through)")
+                                    "validated with (--allow-nan on serve or export triton passes them through)")
 
 
 def load_models(paths: list[Path], options: ServeOptions) -> list[ServedModel]:
@@ -118,14 +119,16 @@ def load_models(paths: list[Path], options: ServeOptions) -> list[ServedModel]:
         raise BadInputError(f"two bundles are named {next(n for n in names if names.count(n) > 1)}: models are "
                             "named after their folders, so rename one")
     placements = instance_devices(options.devices, options.instances)
-    return [_load_model(Path(path), name, placements, options) for path, name in zip(paths, names)]
+    return [load_model(open_bundle(path), name, placements, options) for path, name in zip(paths, names)]
 
 
-def _load_model(path: Path, name: str, placements: list[str], options: ServeOptions) -> ServedModel:
-    from deploykit.runtime import load, open_bundle
+def load_model(bundle: Bundle, name: str, placements: list[str], options: ServeOptions) -> ServedModel:
+    """One runner per placement, all of one opened ``bundle`` (each file is hashed once), and the
+    batching they allow; ``serve`` and the Triton python model (one placement each) load alike."""
+    from deploykit.runtime import load
 
-    opened = open_bundle(path)  # one Bundle for every instance: each file is hashed once
-    runners = [load(opened, options.backend, place, allow_failed=options.allow_failed,
+    path = bundle.path
+    runners = [load(bundle, options.backend, place, allow_failed=options.allow_failed,
                     trust_native=options.trust_native) for place in placements]
     dynamic = batch_range(runners[0].inputs, runners[0].outputs)
     if dynamic is None:
@@ -165,11 +168,7 @@ def choose_buckets(choice: str, runner, low: int, max_batch: int) -> list[int]:
     if choice == "exact":
         return []
     if choice == "validated":
-        manifest = runner.bundle.manifest if runner.bundle is not None else {}
-        sizes = manifest.get("validation", {}).get("batch_sizes", [])
-        tuned = [c["batch"] for c in (manifest.get("tuning") or {}).get("choices", [])]
-        sizes = sorted({s for s in [*sizes, *tuned] if low <= s <= max_batch} | {max_batch})
-        return sizes
+        return validated_buckets(runner.bundle.manifest if runner.bundle is not None else {}, low, max_batch)
     try:
         sizes = sorted({int(part) for part in choice.split(",") if part.strip()})
     except ValueError:
@@ -177,3 +176,11 @@ def choose_buckets(choice: str, runner, low: int, max_batch: int) -> list[int]:
     if not sizes or sizes[0] < low or sizes[-1] > max_batch:
         raise BadInputError(f"--buckets {choice}: every size must lie in {low}..{max_batch}")
     return sorted(set(sizes) | {max_batch})
+
+
+def validated_buckets(manifest: dict, low: int, max_batch: int) -> list[int]:
+    """The batch sizes validated or tuned (``tuning.choices``) in ``low..max_batch``, and ``max_batch``:
+    where engines and CUDA graphs were built, so a run padded up to one pays no build or capture."""
+    sizes = manifest.get("validation", {}).get("batch_sizes", [])
+    tuned = [c["batch"] for c in (manifest.get("tuning") or {}).get("choices", [])]
+    return sorted({s for s in [*sizes, *tuned] if low <= s <= max_batch} | {max_batch})

@@ -108,3 +108,34 @@ def test_an_output_without_the_batch_dimension_batches_in_neither(tmp_path):
     assert config.max_batch_size == 0 and not config.HasField("dynamic_batching")
     assert list(config.input[0].dims) == [-1, 13] and list(config.output[1].dims) == [16]
     assert not config.model_warmup  # a batch Triton does not know: no fixed size to warm up with
+
+
+def test_python_platform_repository_from_the_cli(tmp_path):
+    """The bundle copied whole, model.py importing deploykit's model, the consent flags as parameters,
+    warm-up with zeros at every validated and tuned size, no preferred sizes (Triton would not wait to batch)."""
+    bundle = converted_bundles.copy_bundle("tabular", tmp_path)
+    tuning = {"device": "cuda", "gpu": None, "cuda_arch": None, "created": "now", "versions": {},
+              "choices": [{"batch": 3, "backend": "onnxruntime", "p50_ms": 1.0}]}
+    converted_bundles.edit_manifest(bundle, lambda m: m.update(tuning=tuning))
+    result = run_deploykit("export", "triton", bundle, tmp_path / "repo", "--platform", "python", "--device", "cuda:1",
+                           "--instances", "2", "--trust-bundle", "--allow-nan")
+    assert result.returncode == 0, result.stderr
+    model = tmp_path / "repo" / "tabular"
+    config = parsed(model)
+    assert config.backend == "python" and not config.platform and config.max_batch_size == 4
+    assert not config.dynamic_batching.preferred_batch_size and config.dynamic_batching.max_queue_delay_microseconds
+    group = config.instance_group[0]
+    assert group.count == 2 and group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU and list(group.gpus) == [1]
+    assert [(w.batch_size, w.inputs["features"].zero_data) for w in config.model_warmup] == [
+        (1, True), (2, True), (3, True), (4, True)]
+    assert {key: value.string_value for key, value in config.parameters.items()} == {
+        "trust_native": "true", "allow_nan": "true"}
+    assert "from deploykit.serving.triton_model import TritonPythonModel" in (model / "1" / "model.py").read_text()
+    copied = model / "1" / "bundle"
+    assert sorted(p.name for p in copied.iterdir()) == sorted([*json.loads((bundle / "manifest.json").read_text())[
+        "files"], "manifest.json"])
+    assert all(sha256_of(path) == sha256_of(bundle / path.name) for path in copied.iterdir())
+    readme = (model / "README.md").read_text()
+    assert "first `python3` on PATH" in readme and "LD_LIBRARY_PATH" in readme and "with `--trust-bundle`" in readme
+    refused = run_deploykit("export", "triton", bundle, tmp_path / "repo", "--allow-nan", "--name", "ort")
+    assert refused.returncode == 2 and "--allow-nan is for --platform python" in refused.stderr

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 HELPERS = Path(__file__).resolve().parent
+BENCHMARKS = HELPERS.parents[1] / "benchmarks"
 
 
 def run_deploykit(*args, cwd: Path | None = None, columns: int | None = None, timeout: float = 900,
@@ -23,6 +24,12 @@ def run_deploykit(*args, cwd: Path | None = None, columns: int | None = None, ti
         env["COLUMNS"] = str(columns)
     return subprocess.run([sys.executable, "-m", "deploykit", *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def run_benchmark(name: str, *args, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python benchmarks/NAME ARGS``, as the device scripts run it."""
+    return subprocess.run([sys.executable, BENCHMARKS / name, *map(str, args)], env=cli_env(), capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:

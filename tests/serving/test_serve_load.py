@@ -5,28 +5,19 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("fastapi")
 
 import converted_bundles  # noqa: E402
-from deploykit_cli import cli_env, run_deploykit  # noqa: E402
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def script(name: str, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, BENCHMARKS / name, *map(str, args)], env=cli_env(), capture_output=True,
-                          text=True, timeout=600)
+from deploykit_cli import BENCHMARKS, run_benchmark, run_deploykit  # noqa: E402
 
 
 def test_serve_load_over_client_counts_and_the_summary(tmp_path):
     bundle = converted_bundles.converted("tabular")
-    load = script("serve_load.py", bundle, "--device", "cpu", "--clients", "2,3", "--requests", "4", "--batching", "on",
+    load = run_benchmark("serve_load.py", bundle, "--device", "cpu", "--clients", "2,3", "--requests", "4", "--batching", "on",
                   "--out", tmp_path / "serve-1gpu")
     assert load.returncode == 0, load.stderr
     results = json.loads((tmp_path / "serve-1gpu" / "serve_load.json").read_text())["results"]
@@ -37,7 +28,7 @@ def test_serve_load_over_client_counts_and_the_summary(tmp_path):
     bench = run_deploykit("bench", bundle, "--device", "cpu", "--batch", "1,4", "--only", "deploykit-load",
                           "--warmup", "1", "--iterations", "5", "-o", tmp_path / "bench-alone")
     assert bench.returncode == 0, bench.stderr
-    summary = script("summarize_issue16.py", tmp_path)
+    summary = run_benchmark("summarize_issue16.py", tmp_path)
     assert summary.returncode == 0, summary.stderr
     rows = [line.split(" | ")[:5] for line in summary.stdout.splitlines() if line.startswith("| batching on |")]
     assert [row[1:3] for row in rows] == [["2", "1"], ["2", "2"], ["3", "1"], ["3", "2"]]
