@@ -28,10 +28,21 @@ t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 
 if has_step setup; then
-  [ -d "$DEPLOYKIT_CACHE/triton" ] || xz -dc "$root/.gpu/triton-cache.tar.xz" | tar x -C "$DEPLOYKIT_CACHE"
+  # .gpu/triton-cache.tar.xz: this machine's $DEPLOYKIT_CACHE/triton/2.51.0, Python 3.12's stub only;
+  # .gpu/serve-site.tar.xz: serve's packages for Python 3.12 (fastapi, uvicorn, uvloop, httptools,
+  # prometheus-client), unzipped wheels, used only when this Python lacks them.
+  mkdir -p "$DEPLOYKIT_CACHE/triton"
+  [ -d "$DEPLOYKIT_CACHE/triton/2.51.0" ] || xz -dc "$root/.gpu/triton-cache.tar.xz" | tar x -C "$DEPLOYKIT_CACHE/triton"
+  paths="$root"
+  if ! python3 -c 'import fastapi, uvicorn, prometheus_client' 2> /dev/null; then
+    mkdir -p /tmp/serve-site && xz -dc "$root/.gpu/serve-site.tar.xz" | tar x -C /tmp/serve-site
+    paths="$paths"$'\n'/tmp/serve-site
+  fi
   site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
-  echo "$root" > "$site/deploykit-checkout.pth"
-  python3 -c 'import fastapi, uvicorn, prometheus_client, tritonclient.http; print("serving packages: ok")'
+  [ -w "$site" ] || { site=$(python3 -m site --user-site); mkdir -p "$site"; }
+  echo "$paths" > "$site/deploykit-checkout.pth"
+  python3 -c 'import fastapi, uvicorn, prometheus_client, deploykit; print("serving packages: ok")'
+  python3 -c 'import tritonclient.http' 2> /dev/null && echo "tritonclient: installed" || echo "tritonclient: missing"
   stamp "setup"
 fi
 
