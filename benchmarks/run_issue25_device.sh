@@ -19,6 +19,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$root:$root/tests/helpers:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 COLUMNS=200
 export WORK=${WORK:-/tmp/dk-issue13} DEPLOYKIT_CACHE=${DEPLOYKIT_CACHE:-/tmp/dk-cache}
 models=${MODELS:-resnet50 bert_base}
+convert_models=${CONVERT_MODELS:-$models}  # converted side by side (CPU-bound): all of them in a first call
 steps=${STEPS:-setup convert serve triton}
 levels=${LEVELS:-1 16 64 128 256}
 workers=${WORKERS:-8}
@@ -48,12 +49,13 @@ fi
 
 if has_step convert; then
   convert() {
-    OUT="$OUT/convert" STEPS="convert tune" PRECISIONS=fp16 bash "$root/benchmarks/run_issue13_device.sh" $models
+    # logs in $WORK (not $OUT, which a call's end packs up and empties while this may still run)
+    OUT="$WORK/convert-logs" STEPS="convert tune" PRECISIONS=fp16 bash "$root/benchmarks/run_issue13_device.sh" $convert_models
     touch "$WORK/converted"
   }
   rm -f "$WORK/converted"
   if [ "${BACKGROUND:-0}" = 1 ]; then
-    export -f convert; export OUT root models
+    export -f convert; export OUT root convert_models
     setsid nohup bash -c convert > "$WORK.convert.log" 2>&1 < /dev/null &
     stamp "converting in the background (log: $WORK.convert.log)"
   else
@@ -62,7 +64,7 @@ if has_step convert; then
 fi
 if has_step wait; then
   while [ ! -f "$WORK/converted" ]; do sleep 5; done
-  mkdir -p "$OUT/convert"; cp "$WORK.convert.log" "$OUT/convert/" 2>/dev/null
+  mkdir -p "$OUT/convert"; cp -r "$WORK.convert.log" "$WORK"/convert-logs/* "$OUT/convert/" 2>/dev/null
   stamp "conversions done"
 fi
 
