@@ -34,13 +34,13 @@ if has_step setup; then
   # prometheus-client), unzipped wheels, used only when this Python lacks them.
   mkdir -p "$DEPLOYKIT_CACHE/triton"
   [ -d "$DEPLOYKIT_CACHE/triton/2.51.0" ] || xz -dc "$root/.gpu/triton-cache.tar.xz" | tar x -C "$DEPLOYKIT_CACHE/triton"
+  site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+  rm -f "$site/deploykit-checkout.pth"  # a warm machine's, from an earlier call: judge this Python without it
   paths="$root"
-  if ! python3 -c 'import fastapi, uvicorn, prometheus_client' 2> /dev/null; then
-    mkdir -p /tmp/serve-site && xz -dc "$root/.gpu/serve-site.tar.xz" | tar x -C /tmp/serve-site
+  if ! python3 -c 'import fastapi, uvicorn, prometheus_client, pydantic' 2> /dev/null; then
+    [ -d /tmp/serve-site ] || { mkdir -p /tmp/serve-site && xz -dc "$root/.gpu/serve-site.tar.xz" | tar x -C /tmp/serve-site; }
     paths="$paths"$'\n'/tmp/serve-site
   fi
-  site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
-  [ -w "$site" ] || { site=$(python3 -m site --user-site); mkdir -p "$site"; }
   echo "$paths" > "$site/deploykit-checkout.pth"
   python3 -c 'import fastapi, uvicorn, prometheus_client, deploykit; print("serving packages: ok")'
   python3 -c 'import tritonclient.http' 2> /dev/null && echo "tritonclient: installed" || echo "tritonclient: missing"
@@ -84,15 +84,17 @@ sweep() {  # NAME MODEL HTTP_PORT: perf_analyzer at each level, GPU busy sampled
     local sampler=$!
     # shellcheck disable=SC2086
     python3 "$root/benchmarks/perf_analyzer.py" "$2" --http "127.0.0.1:$3" --concurrency "$level" \
-      --measurement-interval-ms 4000 ${shapes[${2%-fp16}]} --out "$dir" > "$dir/run.log" 2>&1
+      --measurement-interval-ms ${INTERVAL_MS:-3000} ${shapes[${2%-fp16}]} --out "$dir" > "$dir/run.log" 2>&1
     kill $sampler; wait $sampler 2>/dev/null
     stamp "$1 c$level: $(tail -n 1 "$dir/run.log")"
   done
 }
-wait_for() {  # LOG TEXT SECONDS
+wait_for() {  # LOG TEXT SECONDS PID: until LOG says TEXT; fails at once when the process PID has exited
   local deadline=$(( $(date +%s) + $3 ))
   until grep -q "$2" "$1" 2>/dev/null; do
-    [ "$(date +%s)" -lt "$deadline" ] || { echo "not ready: $1"; tail -n 20 "$1"; return 1; }
+    if [ "$(date +%s)" -ge "$deadline" ] || ! kill -0 "$4" 2> /dev/null; then
+      echo "not ready: $1"; tail -n 20 "$1"; return 1
+    fi
     sleep 1
   done
 }
@@ -103,7 +105,7 @@ for model in $models; do
     python3 -m deploykit serve "$bundle" --device cuda:0 --workers "$workers" --max-batch 32 --no-access-log \
       --port 18000 > "$OUT/serve-$model.log" 2>&1 &
     server=$!
-    wait_for "$OUT/serve-$model.log" "serving at" 240 && sweep "serve-$model" "$model-fp16" 18000
+    wait_for "$OUT/serve-$model.log" "serving at" 240 $server && sweep "serve-$model" "$model-fp16" 18000
     kill -TERM $server; wait $server; stamp "deploykit serve $model: exit $?"
   fi
   if has_step triton; then
@@ -118,7 +120,7 @@ os.execvpe(server.command[0], [*server.command, "--model-repository", sys.argv[1
                                "--grpc-port", "18002", "--metrics-port", "18003"], server.env)
 PY
     server=$!
-    wait_for "$OUT/triton-$model.log" "Started HTTPService" 300 && sweep "triton-$model" "$model-fp16" 18001
+    wait_for "$OUT/triton-$model.log" "Started HTTPService" 300 $server && sweep "triton-$model" "$model-fp16" 18001
     kill -TERM $server; wait $server; stamp "tritonserver $model: exit $?"
   fi
 done
