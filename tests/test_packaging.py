@@ -49,3 +49,18 @@ def test_the_gpu_extra_brings_cuda_python():
 
 def test_the_test_extra_is_the_dev_tools_with_the_cpu_wheel():
     assert resolved("test") == resolved("cpu", "dev") and "pytest" in resolved("dev")
+
+
+def test_a_source_checkout_without_package_metadata_names_its_version(monkeypatch):
+    """Run from a checkout on PYTHONPATH (the GPU machine has no package index), deploykit has no
+    installed metadata; export triton and serve's /v2 still say which version it is."""
+    import importlib.metadata
+
+    from deploykit import versions
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert versions.deploykit_version() == f"{project['version']} (source checkout)"

@@ -341,13 +341,12 @@ Replace `REPO` with this repository's folder and `YY.MM` with the release chosen
 
 def _python_needs(notes: dict, command: str, server_repo: str) -> tuple[str, str, str]:
     """What the python platform asks of the Python that Triton's python backend runs."""
-    import importlib.metadata
-
     from deploykit.bundle.format import FORMAT_VERSION
+    from deploykit.versions import deploykit_version
 
     consent = ("it was exported with `--trust-bundle`, so it loads with `trust_native=True`" if notes["trusted"]
                else "it was exported without `--trust-bundle`, so deploykit's own rule applies on the Triton machine")
-    version = importlib.metadata.version("deploykit")
+    version = deploykit_version()
     needs = f"""`1/model.py` runs `1/bundle` through `deploykit.load`, so Triton needs deploykit itself:
 
 - deploykit installed in the Python that Triton's python backend runs (this export: deploykit

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import importlib.metadata
 import json
 import logging
 import re
@@ -28,6 +27,7 @@ from deploykit.serving.batching import Batcher
 from deploykit.serving.metrics import Metrics
 from deploykit.serving.models import ServedModel
 from deploykit.serving.protocol import RequestError
+from deploykit.versions import deploykit_version
 
 access_log = logging.getLogger("deploykit.serve.access")
 #: Paths answered without a token: orchestrators probe them without credentials.
@@ -96,7 +96,7 @@ def create_app(models: list[ServedModel], limits: Limits, on_ready=None):
 
     @app.get("/v2")
     async def server_metadata():
-        return {"name": "deploykit", "version": importlib.metadata.version("deploykit"),
+        return {"name": "deploykit", "version": deploykit_version(),
                 "extensions": ["binary_tensor_data"]}
 
     @app.get("/v2/health/live")

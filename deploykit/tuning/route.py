@@ -6,6 +6,8 @@ above was timed on more work than this call has, so its backend is not one that 
 small batches), passing over a choice that does not take that size (a static AOTI package). All
 sub-runners are opened at load, one per distinct choice. A choice that cannot run here (a torch
 other than the package's, an engine this GPU cannot run) gives way to ONNX Runtime with a note.
+Sizes no choice takes go to ONNX Runtime; where it cannot run here (onnxruntime without the CUDA
+provider beside AOTInductor packages), those sizes are refused with the reason and the rest run.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from deploykit.backends.aoti.compat import PackageChecks
 from deploykit.backends.base.feeds import given_batch
 from deploykit.backends.base.runner import Runner
 from deploykit.bundle.read import Bundle
+from deploykit.errors import BadInputError, EnvironmentProblem
 from deploykit.tuning import record
 from deploykit.tuning.candidates import accepted_batches, choice_problem, find_candidates, open_runner, takes
 
@@ -35,11 +38,12 @@ class TunedRunner(Runner):
 
     backend = "tuned"
 
-    def __init__(self, bundle: Bundle, device: str, routes: list[Route], fallback: Runner | None, notes: list[str]):
+    def __init__(self, bundle: Bundle, device: str, routes: list[Route], fallback: Runner | None, notes: list[str],
+                 no_fallback: str | None = None):
         first = routes[0].runner
         super().__init__(device, first.inputs, first.outputs, notes=notes, bundle=bundle, name=f"tuned-{device}")
         self.routes = sorted(routes, key=lambda route: route.batch)
-        self.fallback = fallback
+        self.fallback, self.no_fallback = fallback, no_fallback
         for runner in self.runners():
             self.warnings += [note for note in runner.warnings if note not in self.warnings]
 
@@ -53,7 +57,11 @@ class TunedRunner(Runner):
         above = [route for route in self.routes if route.batch > batch and route.takes(batch)]
         below = [route for route in reversed(self.routes) if route.batch < batch and route.takes(batch)]
         chosen = (exact or above or below or [None])[0]
-        return chosen.runner if chosen is not None else self.fallback
+        if chosen is not None:
+            return chosen.runner
+        if self.fallback is None:
+            raise BadInputError(f"batch {batch}: {self.no_fallback}")
+        return self.fallback
 
     def run(self, feeds=None, /, **named) -> dict:
         """The call, on the runner of its batch, which checks the feeds (an input missing: any runner
@@ -107,9 +115,21 @@ def load_tuned(bundle: Bundle, device: str, device_id: int, notes: list[str], *,
         label = f"{backend} {json.dumps(options, sort_keys=True)}" if options else backend
         routes.append(Route(choice["batch"], runner(backend, options), accepted_batches(here, backend, options),
                             label))
-    fallback = runner("onnxruntime", {}) if any(route.accepts for route in routes) else None
+    fallback, no_fallback = None, None
+    if any(route.accepts for route in routes):
+        try:
+            fallback = runner("onnxruntime", {})
+        except EnvironmentProblem as problem:
+            sizes = _sizes(sorted({span for route in routes for span in route.accepts or []}))
+            no_fallback = (f"the tuned runners here take batch {sizes} only, and ONNX Runtime, which runs the "
+                           f"others, cannot run here ({problem}): pad to a size they take")
+            notes.append(f"batches other than {sizes} are refused: {problem}")
     notes.append("tuned: " + ", ".join(f"batch {route.batch} -> {route.label}" for route in routes))
-    return TunedRunner(bundle, device, routes, fallback, notes)
+    return TunedRunner(bundle, device, routes, fallback, notes, no_fallback)
+
+
+def _sizes(ranges: list[tuple[int, int]]) -> str:
+    return ", ".join(str(low) if low == high else f"{low}..{high}" for low, high in ranges)
 
 
 def tuned_convolutions(tuning: dict) -> bool:

@@ -328,6 +328,40 @@ def test_load_routes_to_aoti_choices_and_matches_onnxruntime(aoti_bundle, tmp_pa
             np.testing.assert_allclose(value, expected[name], rtol=1e-4, atol=1e-5)
 
 
+def test_static_packages_run_where_onnxruntime_cannot(aoti_bundle, tmp_path, monkeypatch):
+    """On a GPU machine with AOTInductor but no onnxruntime-gpu, the sizes the packages take run
+    and the others are refused with the reason, instead of the whole load failing."""
+    import shutil
+
+    from deploykit.errors import EnvironmentProblem
+    from deploykit.tuning import route
+
+    bundle = Path(shutil.copytree(aoti_bundle, tmp_path / "bundle"))
+
+    def all_static(manifest):
+        for choice in manifest["tuning"]["choices"]:
+            choice.update(backend="aoti", options={"packages": "static", "cuda_graph": False})
+
+    edit_manifest(bundle, all_static)
+    opened = route.open_runner
+
+    def no_onnxruntime(bundle, backend, options, *args, **kwargs):
+        if backend == "onnxruntime":
+            raise EnvironmentProblem("onnxruntime's CUDAExecutionProvider did not start")
+        return opened(bundle, backend, options, *args, **kwargs)
+
+    monkeypatch.setattr(route, "open_runner", no_onnxruntime)
+    runner = deploykit.load(bundle)
+    assert isinstance(runner, TunedRunner)
+    assert any(note.startswith("batches other than 1, 2, 4 are refused") for note in runner.notes)
+    for batch in (1, 2, 4):
+        x = np.zeros((batch, 3, 8, 8), np.float32)
+        assert runner(x=x)[runner.output_names[0]].shape[0] == batch
+    with pytest.raises(BadInputError, match=r"batch 3: the tuned runners here take batch 1, 2, 4 only.*"
+                                            r"CUDAExecutionProvider did not start.*pad to a size they take"):
+        runner(x=np.zeros((3, 3, 8, 8), np.float32))
+
+
 def test_an_aoti_choice_for_another_torch_gives_way_to_onnxruntime(aoti_bundle, tmp_path):
     import shutil
 
