@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# On the H200 (nvidia-h200): issue 25. `deploykit serve` and a real Triton Inference Server (2.51, its
-# python backend running `deploykit export triton --platform python` of the same bundle) measured one
-# after the other by Triton's C++ load generator (benchmarks/perf_analyzer.py: HTTP, one fp32 image or one
-# sequence per request, concurrency 1, 16, 64, 128, 256), on run_issue13_device.sh's tuned fp16 bundles.
+# Issue 25: `deploykit serve` and a real Triton Inference Server (2.51, its python backend running
+# `deploykit export triton --platform python` of the same bundle) measured one after the other by Triton's
+# C++ load generator (benchmarks/perf_analyzer.py: HTTP, one fp32 image or one sequence per request).
+# On the H200 (nvidia-h200), run_issue13_device.sh's tuned fp16 bundles, concurrency 1, 16, 64, 128, 256:
 #   OUT=/tmp/results STEPS="setup convert serve triton" MODELS="resnet50 bert_base" bash benchmarks/run_issue25_device.sh
+# On a CPU machine (DEVICE=cpu), the small pre-activation net (model_zoo:resnetv2_18, BatchNorm statistics
+# measured on random images, x:1x3x64x64, batch 1:4:8, fp32), concurrency 1, 8, 32:
+#   OUT=/tmp/results DEVICE=cpu STEPS="convert serve triton" bash benchmarks/run_issue25_device.sh
 # setup:   unpacks .gpu/triton-cache.tar.xz (this machine's $DEPLOYKIT_CACHE/triton: tritonserver, its python
 #          backend, perf_analyzer) into $DEPLOYKIT_CACHE, and puts this checkout on python3's path with a .pth file
 #          (Triton's python stub runs the first python3 on PATH and ignores PYTHONPATH).
 # convert: run_issue13_device.sh's convert and tune steps (fp16, AOTInductor static packages at batch 1 and 32),
 #          in the background (setsid: it outlives the call) when BACKGROUND=1; wait for it with STEPS=wait.
-# serve:   deploykit serve --workers $WORKERS (default 8) on cuda:0; triton: tritonserver on the python export.
+#          On a CPU: the small net converted here (no tuning).
+# serve:   deploykit serve --workers $WORKERS (default 8 on a GPU, 1 on a CPU) on $DEVICE; triton: tritonserver
+#          on the python export, $TRITON_INSTANCES instances (default 1).
 # GPU busy %: nvidia-smi's utilization sampled every 200 ms during each concurrency level (busy.txt beside it).
 # Results: $OUT/summary.md, and $OUT/results.tgz with every level's perf_analyzer CSV and log, busy samples,
 # and the servers' logs.
@@ -18,13 +23,17 @@ set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$root:$root/tests/helpers:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 COLUMNS=200
 export WORK=${WORK:-/tmp/dk-issue13} DEPLOYKIT_CACHE=${DEPLOYKIT_CACHE:-/tmp/dk-cache}
-models=${MODELS:-resnet50 bert_base}
+device=${DEVICE:-cuda:0}
+if [ "$device" = cpu ]; then
+  models=${MODELS:-resnetv2_18} precision=fp32 max_batch=8 levels=${LEVELS:-1 8 32} workers=${WORKERS:-1}
+else
+  models=${MODELS:-resnet50 bert_base} precision=fp16 max_batch=32 levels=${LEVELS:-1 16 64 128 256}
+  workers=${WORKERS:-8}
+fi
 convert_models=${CONVERT_MODELS:-$models}  # converted side by side (CPU-bound): all of them in a first call
 steps=${STEPS:-setup convert serve triton}
-levels=${LEVELS:-1 16 64 128 256}
-workers=${WORKERS:-8}
 has_step() { [[ " $steps " == *" $1 "* ]]; }
-mkdir -p "$OUT" "$DEPLOYKIT_CACHE"
+mkdir -p "$OUT" "$WORK" "$DEPLOYKIT_CACHE"
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 
@@ -47,7 +56,19 @@ if has_step setup; then
   stamp "setup"
 fi
 
-if has_step convert; then
+if has_step convert && [ "$device" = cpu ]; then
+  python3 - "$WORK" <<'PY'
+import sys, torch
+from deploykit.testing import calibrate_batch_norm
+import model_zoo
+images = torch.Generator().manual_seed(1)
+batches = [torch.randn(8, 3, 64, 64, generator=images) for _ in range(4)]
+torch.save(calibrate_batch_norm(model_zoo.resnetv2_18(), batches, seed=4).state_dict(), f"{sys.argv[1]}/resnetv2_18.pt")
+PY
+  python3 -m deploykit convert "$WORK/resnetv2_18.pt" --factory model_zoo:resnetv2_18 --input x:1x3x64x64 \
+    --batch 1:4:8 -o "$WORK/resnetv2_18-fp32" --force > "$OUT/convert-resnetv2_18.log" 2>&1
+  stamp "convert resnetv2_18: exit $?"
+elif has_step convert; then
   convert() {
     # logs in $WORK (not $OUT, which a call's end packs up and empties while this may still run)
     OUT="$WORK/convert-logs" STEPS="convert tune" PRECISIONS=fp16 bash "$root/benchmarks/run_issue13_device.sh" $convert_models
@@ -69,7 +90,8 @@ if has_step wait; then
 fi
 
 # perf_analyzer's inputs: zeros for images; real token ids and a full mask for BERT (zeros would mask every token)
-declare -A shapes=([resnet50]="--shape x:3,224,224" [bert_base]="--input-data $WORK/bert-inputs.json")
+declare -A shapes=([resnet50]="--shape x:3,224,224" [bert_base]="--input-data $WORK/bert-inputs.json"
+                   [resnetv2_18]="--shape x:3,64,64")
 python3 - "$WORK/bert-inputs.json" <<'PY'
 import json, sys
 ids = [101] + [(7 * i) % 30000 + 1000 for i in range(126)] + [102]
@@ -79,13 +101,15 @@ PY
 
 sweep() {  # NAME MODEL HTTP_PORT: perf_analyzer at each level, GPU busy sampled beside it
   for level in $levels; do
-    local dir="$OUT/$1/c$level"; mkdir -p "$dir"
-    nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 200 > "$dir/busy.txt" &
-    local sampler=$!
+    local dir="$OUT/$1/c$level" sampler=; mkdir -p "$dir"
+    if [ "$device" != cpu ]; then
+      nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 200 > "$dir/busy.txt" &
+      sampler=$!
+    fi
     # shellcheck disable=SC2086
     python3 "$root/benchmarks/perf_analyzer.py" "$2" --http "127.0.0.1:$3" --concurrency "$level" \
-      --measurement-interval-ms ${INTERVAL_MS:-3000} ${shapes[${2%-fp16}]} --out "$dir" > "$dir/run.log" 2>&1
-    kill $sampler; wait $sampler 2>/dev/null
+      --measurement-interval-ms ${INTERVAL_MS:-3000} ${shapes[${2%-*}]} --out "$dir" > "$dir/run.log" 2>&1
+    [ -z "$sampler" ] || { kill $sampler; wait $sampler 2>/dev/null; }
     stamp "$1 c$level: $(tail -n 1 "$dir/run.log")"
   done
 }
@@ -100,17 +124,17 @@ wait_for() {  # LOG TEXT SECONDS PID: until LOG says TEXT; fails at once when th
 }
 
 for model in $models; do
-  bundle=$WORK/$model-fp16
+  bundle=$WORK/$model-$precision
   if has_step serve; then
-    python3 -m deploykit serve "$bundle" --device cuda:0 --workers "$workers" --max-batch 32 --no-access-log \
-      --port 18000 > "$OUT/serve-$model.log" 2>&1 &
+    python3 -m deploykit serve "$bundle" --device "$device" --workers "$workers" --max-batch $max_batch \
+      --no-access-log --port 18000 > "$OUT/serve-$model.log" 2>&1 &
     server=$!
-    wait_for "$OUT/serve-$model.log" "serving at" 240 $server && sweep "serve-$model" "$model-fp16" 18000
+    wait_for "$OUT/serve-$model.log" "serving at" 240 $server && sweep "serve-$model" "$model-$precision" 18000
     kill -TERM $server; wait $server; stamp "deploykit serve $model: exit $?"
   fi
   if has_step triton; then
     rm -rf "$WORK/repo"
-    python3 -m deploykit export triton "$bundle" "$WORK/repo" --platform python --device cuda:0 \
+    python3 -m deploykit export triton "$bundle" "$WORK/repo" --platform python --device "$device" \
       --instances "${TRITON_INSTANCES:-1}" > "$OUT/export-$model.log" 2>&1
     python3 - "$WORK/repo" > "$OUT/triton-$model.log" 2>&1 <<'PY' &
 import os, sys
@@ -120,11 +144,11 @@ os.execvpe(server.command[0], [*server.command, "--model-repository", sys.argv[1
                                "--grpc-port", "18002", "--metrics-port", "18003"], server.env)
 PY
     server=$!
-    wait_for "$OUT/triton-$model.log" "Started HTTPService" 300 $server && sweep "triton-$model" "$model-fp16" 18001
+    wait_for "$OUT/triton-$model.log" "Started HTTPService" 300 $server && sweep "triton-$model" "$model-$precision" 18001
     kill -TERM $server; wait $server; stamp "tritonserver $model: exit $?"
   fi
 done
 
 python3 "$root/benchmarks/summarize_issue25.py" "$OUT" > "$OUT/summary.md"
 cat "$OUT/summary.md"
-(cd "$OUT" && shopt -s nullglob && tar czf results.tgz --remove-files ./serve-* ./triton-* ./export-* ./convert)
+(cd "$OUT" && shopt -s nullglob && tar czf results.tgz --remove-files ./serve-* ./triton-* ./export-* ./convert*)
