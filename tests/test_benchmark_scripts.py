@@ -20,3 +20,30 @@ def test_a_benchmark_script_answers_help_with_its_usage(script):
     done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: " + script.name)
+
+
+def test_the_serve_against_triton_summary_pairs_levels_and_plots(tmp_path):
+    """summarize_issue25.py: each serve row divided by Triton's at the same model and concurrency,
+    a level without numbers kept with its failure, GPU busy from the samples after the first second."""
+    import json
+
+    def level(server, concurrency, throughput, failure=None, busy=None):
+        folder = tmp_path / f"{server}-resnet50" / f"c{concurrency}"
+        folder.mkdir(parents=True)
+        result = {"protocol": "http", "concurrency": concurrency, "throughput": throughput, "p50_ms": 1.0,
+                  "p95_ms": 2.0, "p99_ms": 3.0, "errors": 0 if failure is None else 2, "failure": failure}
+        (folder / "perf_analyzer.json").write_text(json.dumps({"results": [result]}))
+        if busy:
+            (folder / "busy.txt").write_text("\n".join(map(str, busy)))
+
+    level("serve", 16, 3000.0, busy=[0, 0, 0, 0, 0, 90, 80])
+    level("triton", 16, 1000.0)
+    level("serve", 128, None, failure="Thread [0] had error")
+    level("triton", 128, 1200.0)
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "summarize_issue25.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| resnet50")]
+    assert rows[0] == "| resnet50 | serve | 16 | 3000 | 1.00 | 2.00 | 3.00 | 0 | 85 | 3.00 |"
+    assert rows[1].startswith("| resnet50 | serve | 128 |  |") and rows[1].endswith("| 2 |  |  | Thread [0] had error")
+    assert (tmp_path / "throughput_p99.png").stat().st_size > 0
