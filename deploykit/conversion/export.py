@@ -71,8 +71,10 @@ def export_onnx(
 
 
 def declare_oldest_ir_version(model: onnx.ModelProto) -> None:
-    """Declare the oldest IR version that holds the model's opsets, so older runtimes read the file."""
-    model.ir_version = min(model.ir_version, onnx.helper.find_min_ir_version_for(model.opset_import))
+    """Declare the oldest IR version that holds the model's opsets, so older runtimes read the file
+    (domains onnx does not know, such as deploykit's, ask for none)."""
+    oldest = onnx.helper.find_min_ir_version_for(model.opset_import, ignore_unknown=True)
+    model.ir_version = min(model.ir_version, oldest)
 
 
 def _choose_exporter(loaded: LoadedModel, exporter: str) -> str:

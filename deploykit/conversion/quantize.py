@@ -218,21 +218,24 @@ def _foreign_nodes(model: onnx.ModelProto) -> list[str]:
 
 
 def node_precisions(fp32: onnx.ModelProto, quantized: onnx.ModelProto) -> list[NodeQuantization]:
-    """Each node of the fp32 graph: int8 where the quantized graph feeds it dequantized int8 tensors,
-    else float with the reason. A Relu or Clip the quantizer folded into its QuantizeLinear is int8."""
-    producers = {output: node for node in quantized.graph.node for output in node.output}
+    """Each node of the fp32 graph: int8 where it is an op type we quantize and the quantized graph
+    feeds it dequantized int8 tensors (a Relu or Clip folded into its QuantizeLinear is gone: int8),
+    else float with the reason; a float node may read a DequantizeLinear too."""
+    producers = {output: node.op_type for node in quantized.graph.node for output in node.output}
     kept = {node.name: node for node in quantized.graph.node if node.op_type not in _QDQ_OPS}
     result = []
     for node in fp32.graph.node:
         after = kept.get(node.name)
-        if after is None:
+        reads_int8 = after is None or any(producers.get(name) == "DequantizeLinear" for name in after.input)
+        if _quantizable(node) and reads_int8:
             result.append(NodeQuantization(node.name, _label(node), "int8"))
-            continue
-        reads_int8 = any(producers.get(name) is not None and producers[name].op_type == "DequantizeLinear"
-                         for name in after.input)
-        reason = None if reads_int8 else _float_reason(node)
-        result.append(NodeQuantization(node.name, _label(node), "int8" if reads_int8 else "float", reason))
+        else:
+            result.append(NodeQuantization(node.name, _label(node), "float", _float_reason(node)))
     return result
+
+
+def _quantizable(node: onnx.NodeProto) -> bool:
+    return node.domain in _STANDARD_DOMAINS and node.op_type in QUANTIZED_OPS
 
 
 def _float_reason(node: onnx.NodeProto) -> str:
@@ -242,7 +245,8 @@ def _float_reason(node: onnx.NodeProto) -> str:
         return f"{node.domain} op: left float"
     if node.op_type not in QUANTIZED_OPS:
         return "not an op type deploykit quantizes (normalisations, Softmax, exp/log and the like stay float)"
-    return "the quantizer left it float (its inputs are not quantized tensors, e.g. shapes or indices)"
+    return ("it reads float tensors only (from a float node or a constant): ONNX Runtime's quantizer quantizes "
+            "pooling and data movement only where their input already is int8")
 
 
 def _label(node: onnx.NodeProto) -> str:

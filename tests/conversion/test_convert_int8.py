@@ -1,0 +1,142 @@
+"""``deploykit convert --precision int8``: ONNX Runtime's static quantization, through the CLI.
+
+The models' BatchNorm statistics are measured on random inputs (``calibrate_batch_norm``), as
+training leaves them; the calibration samples are random too, but given with ``--calibration``
+they stand for a user's data.
+"""
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+import deploykit
+import model_zoo
+from deploykit.testing import calibrate_batch_norm
+from deploykit.validation.compare import compare_output, parse_tolerances
+from deploykit_cli import assert_rejected, convert
+
+IMAGE = "x:1x3x16x16"
+
+
+def _save_weights(directory, name: str, shape: tuple) -> None:
+    torch.manual_seed(0)
+    model = calibrate_batch_norm(getattr(model_zoo, name)(), [torch.randn(32, *shape)], seed=1)
+    torch.save(model.state_dict(), directory / "weights.pt")
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """residual_conv converted to int8 with 64 calibration samples, batch 1:4:8: (folder, result)."""
+    folder = tmp_path_factory.mktemp("int8")
+    _save_weights(folder, "residual_conv", (3, 16, 16))
+    samples = np.random.default_rng(5).standard_normal((64, 3, 16, 16), dtype=np.float32)
+    np.savez(folder / "calibration.npz", x=samples)
+    result = convert(folder, "weights.pt", "--factory", "model_zoo:residual_conv", "--input", IMAGE,
+                     "--batch", "1:4:8", "--precision", "int8", "--calibration", "calibration.npz", "-o", "bundle")
+    return folder, result
+
+
+def test_int8_with_calibration_passes(calibrated):
+    folder, result = calibrated
+    assert result.returncode == 0, result.stderr
+    report = json.loads((folder / "bundle" / "report.json").read_text())
+    manifest = json.loads((folder / "bundle" / "manifest.json").read_text())
+    assert report["verdict"] == "pass" and manifest["precision"] == "int8"
+    precision = report["precision"]
+    assert precision["calibration"] == {"source": "calibration.npz", "samples": 64, "batches": 16}
+    assert manifest["quantization"]["calibration_method"] == "minmax"
+    assert set(manifest["quantization"]["quantized_nodes"]) == set(precision["quantized_nodes"])
+    tolerance = report["validation"]["candidates"][0]["runs"][0]["outputs"][0]["tolerance"]
+    assert tolerance["atol"] is None and tolerance["min_cosine"] == 0.99 and tolerance["min_top1"] == 0.95
+    model = onnx.load(folder / "bundle" / "model.onnx")
+    assert model.ir_version <= 13
+    ops = {node.op_type for node in model.graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops and "MatMulRelu" not in ops  # Linear+ReLU runs in int8
+    quantized = {node.op_type for node in model.graph.node if node.name in precision["quantized_nodes"]}
+    assert {"Conv", "Gemm", "Add"} <= quantized
+    assert "Precision: int8" in result.stderr and "PASS" in result.stderr
+
+
+def test_custom_op_stays_float_between_dequantize_and_quantize(calibrated):
+    folder, _ = calibrated
+    report = json.loads((folder / "bundle" / "report.json").read_text())
+    floats = {n["op"]: n["reason"] for n in report["precision"]["float_nodes"]}
+    assert floats["deploykit::FusedBatchNorm"].startswith("deploykit op")
+    model = onnx.load(folder / "bundle" / "model.onnx")
+    producers = {out: node.op_type for node in model.graph.node for out in node.output}
+    fused = next(node for node in model.graph.node if node.op_type == "FusedBatchNorm")
+    assert producers[fused.input[0]] == "DequantizeLinear"  # it reads the dequantized int8 sum
+    assert all(model.graph.initializer[i].data_type == onnx.TensorProto.FLOAT for i in range(len(model.graph.initializer))
+               if model.graph.initializer[i].name in fused.input)
+    assert "int8 + op library" in report["validation"]["candidates"][0]["label"]
+
+
+def test_int8_bundle_runs_in_plain_onnxruntime_and_deploykit_load(calibrated):
+    folder, _ = calibrated
+    bundle = folder / "bundle"
+    x = np.random.default_rng(11).standard_normal((3, 3, 16, 16), dtype=np.float32)
+    session = ort.InferenceSession(str(bundle / "model.onnx"), providers=["CPUExecutionProvider"])
+    plain = session.run(None, {"x": x})[0]  # our op through its ONNX function
+    loaded = deploykit.load(bundle, device="cpu")(x=x)["output"]  # our op library
+    torch.manual_seed(0)
+    model = model_zoo.residual_conv()
+    model.load_state_dict(torch.load(folder / "weights.pt"))
+    with torch.no_grad():
+        reference = model.eval()(torch.from_numpy(x)).numpy()
+    tolerances = parse_tolerances([], "int8", ["output"])
+    for actual in (plain, loaded):
+        assert compare_output("output", reference, actual, tolerances["output"]).passed
+    np.testing.assert_allclose(plain, loaded, atol=1e-4)
+
+
+def test_int8_without_calibration_is_inconclusive(tmp_path):
+    _save_weights(tmp_path, "tiny_conv", (3, 8, 8))
+    result = convert(tmp_path, "weights.pt", "--factory", "model_zoo:tiny_conv", "--input", "x:1x3x8x8",
+                     "--precision", "int8", "-o", "bundle")
+    assert result.returncode == 5, result.stderr
+    assert "calibrated on random inputs" in result.stderr and "--calibration data.npz" in result.stderr
+    assert "INCONCLUSIVE" in result.stderr and "Traceback" not in result.stderr
+    manifest = json.loads((tmp_path / "bundle" / "manifest.json").read_text())
+    assert "random inputs" in manifest["quantization"]["calibration"]["note"]
+    assert "random inputs" in manifest["validation"]["inconclusive"]["output"]
+    report = json.loads((tmp_path / "bundle" / "report.json").read_text())
+    assert report["verdict"] == "inconclusive" and "random inputs" in report["summary"]
+
+
+@pytest.mark.parametrize("arrays, words", [
+    ({"images": (4, 3, 8, 8)}, ["--calibration", "lacks x", "name the arrays after the model's inputs"]),
+    ({"x": (4, 3, 9, 8)}, ["--calibration", "x has shape 4x3x9x8", "the model takes 1x3x8x8"]),
+])
+def test_bad_calibration_file_is_one_line_exit_2(tmp_path, arrays, words):
+    _save_weights(tmp_path, "tiny_conv", (3, 8, 8))
+    np.savez(tmp_path / "calibration.npz", **{name: np.zeros(shape, np.float32) for name, shape in arrays.items()})
+    result = convert(tmp_path, "weights.pt", "--factory", "model_zoo:tiny_conv", "--input", "x:1x3x8x8",
+                     "--precision", "int8", "--calibration", "calibration.npz", "-o", "bundle")
+    assert_rejected(result, *words)
+    assert len([line for line in result.stderr.splitlines() if "error" in line]) == 1
+    assert not (tmp_path / "bundle").exists()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--precision", "int8", "--auto-fix"], ["--auto-fix is not supported with --precision int8 yet"]),
+    (["--precision", "int8", "--backend", "tensorrt"], ["--backend tensorrt is not supported with --precision int8"]),
+    (["--calibration", "data.npz"], ["--calibration and --calibration-method apply to int8"]),
+])
+def test_int8_refuses_what_it_does_not_do_yet(tmp_path, args, words):
+    result = convert(tmp_path, "weights.pt", "--input", "x:1x3x8x8", *args, "-o", "bundle")
+    assert_rejected(result, *words)
+
+
+def test_int8_tolerances_judge_by_cosine_and_top1():
+    """A 5% error of every logit passes (cosine 1); a swapped top class fails; --tolerance adds atol."""
+    reference = np.array([[4.0, 1.0, 0.5], [0.1, 3.0, 0.2]], np.float32)
+    scaled = compare_output("y", reference, reference * 1.05, parse_tolerances([], "int8", ["y"])["y"])
+    assert scaled.passed and scaled.metrics["max_abs"] > 0.1
+    swapped = reference[:, [1, 0, 2]] * 0.999 + reference * 0.001
+    assert not compare_output("y", reference, swapped, parse_tolerances([], "int8", ["y"])["y"]).passed
+    strict = parse_tolerances(["atol=0.01"], "int8", ["y"])["y"]
+    assert strict.min_cosine == 0.99 and not compare_output("y", reference, reference * 1.05, strict).passed
