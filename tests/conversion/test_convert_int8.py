@@ -140,3 +140,24 @@ def test_int8_tolerances_judge_by_cosine_and_top1():
     assert not compare_output("y", reference, swapped, parse_tolerances([], "int8", ["y"])["y"]).passed
     strict = parse_tolerances(["atol=0.01"], "int8", ["y"])["y"]
     assert strict.min_cosine == 0.99 and not compare_output("y", reference, reference * 1.05, strict).passed
+
+
+def test_int8_top1_sets_near_ties_aside_but_counts_decided_flips():
+    """40 rows of 10 logits, noise of RMS 0.01: a row whose lead is 0.01 may flip (a near tie); a
+    row whose lead is 0.3 flipped by an error in that row alone is a real disagreement."""
+    rng = np.random.default_rng(0)
+    reference = rng.standard_normal((40, 10))
+    reference[:, 0] = reference.max(1) + 0.3  # every row has a clear leader ...
+    reference[:4, 1] = reference[:4, 0] - 0.01  # ... but four lead by 0.01 only
+    candidate = reference + rng.normal(0, 0.01, reference.shape)
+    candidate[:4, 1] = candidate[:4, 0] + 0.005  # the near ties flip
+    default = parse_tolerances([], "int8", ["y"])["y"]
+    result = compare_output("y", reference, candidate, default)
+    assert result.passed and result.metrics["top1_near_ties"] == 4 and result.metrics["top1_agreement"] == 0.9
+    every_row = parse_tolerances(["top1_tie_margin=0"], "int8", ["y"])["y"]
+    assert not compare_output("y", reference, candidate, every_row).passed
+    flipped = candidate.copy()
+    flipped[4:7, 0] = flipped[4:7, 1:].max(1) - 0.01  # three decided rows disagree: 33/36 < 0.95
+    failed = compare_output("y", reference, flipped, default)
+    assert failed.metrics["cosine"] > 0.99 and failed.failures == [
+        "top-1 agreement 0.9167 (over the rows that are no near tie; 4 near ties) < min_top1=0.95"]
