@@ -111,6 +111,8 @@ def _run_reference(state: ConversionState) -> None:
     state.example = _example_inputs(state.specs, state.options.batch)
     _probe(state.reference, state.example, state.specs)
     state.feed_sets = _validation_feeds(state.specs, state.options)
+    if state.options.precision == "int8":  # a bad --calibration file stops here, before the export
+        state.calibration = quantize.Calibration.read(state.options, state.specs)
 
 
 def _export(state: ConversionState) -> None:
@@ -142,8 +144,7 @@ def _write_precision(state: ConversionState) -> None:
 
 
 def _quantize(state: ConversionState) -> None:
-    calibration = quantize.Calibration.read(state.options, state.specs)
-    state.quantization = quantize.QuantizationStage.start(state.optimized, calibration,
+    state.quantization = quantize.QuantizationStage.start(state.optimized, state.calibration,
                                                           state.options.calibration_method)
 
 

@@ -19,7 +19,7 @@ from deploykit.conversion.export import ExportResult
 from deploykit.conversion.loading import LoadedModel
 from deploykit.conversion.options import ConvertOptions
 from deploykit.conversion.precision import PrecisionStage
-from deploykit.conversion.quantize import QuantizationStage
+from deploykit.conversion.quantize import Calibration, QuantizationStage
 from deploykit.passes.base import PassStats
 from deploykit.specs import InputSpec
 from deploykit.validation.compare import Tolerance
@@ -36,6 +36,7 @@ class ConversionState:
     reference: Remembered | None = None  # the TorchRunner, run once per feed set
     example: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # the export's inputs
     feed_sets: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)  # validation's, one per batch size
+    calibration: Calibration | None = None  # int8: the samples the scales are fitted to (read before the export)
     # "Exporting ONNX": exported.model is the plain export
     exported: ExportResult | None = None
     # "Optimizing the graph": ONNX Runtime's graph, with its fused contrib ops unless --no-ort-fusions

@@ -17,7 +17,7 @@ import deploykit
 import model_zoo
 from deploykit.testing import calibrate_batch_norm
 from deploykit.validation.compare import compare_output, parse_tolerances
-from deploykit_cli import assert_rejected, convert
+from deploykit_cli import assert_rejected, convert, run_deploykit
 
 IMAGE = "x:1x3x16x16"
 
@@ -91,6 +91,25 @@ def test_int8_bundle_runs_in_plain_onnxruntime_and_deploykit_load(calibrated):
     for actual in (plain, loaded):
         assert compare_output("output", reference, actual, tolerances["output"]).passed
     np.testing.assert_allclose(plain, loaded, atol=1e-4)
+
+
+def test_deploykit_validate_judges_an_int8_bundle_and_debug_refuses_it(calibrated):
+    folder, _ = calibrated
+    validated = run_deploykit("validate", "bundle", "weights.pt", "--factory", "model_zoo:residual_conv", cwd=folder)
+    assert validated.returncode == 0 and "PASS" in validated.stderr, validated.stderr
+    assert_rejected(run_deploykit("debug", "bundle", cwd=folder), "does not examine int8 bundles yet")
+
+
+def test_int8_json_report_stays_clean_with_a_histogram_method(tmp_path):
+    """entropy and percentile calibration print progress on stdout, which carries --json's report."""
+    _save_weights(tmp_path, "tiny_conv", (3, 8, 8))
+    np.savez(tmp_path / "calibration.npz", x=np.random.default_rng(3).standard_normal((16, 3, 8, 8), dtype=np.float32))
+    result = convert(tmp_path, "weights.pt", "--factory", "model_zoo:tiny_conv", "--input", "x:1x3x8x8", "--precision",
+                     "int8", "--calibration", "calibration.npz", "--calibration-method", "entropy", "--json", "-o", "b")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["verdict"] == "pass" and report["precision"]["calibration_method"] == "entropy"
+    assert report["precision"]["calibration"] == {"source": "calibration.npz", "samples": 16, "batches": 16}
 
 
 def test_int8_without_calibration_is_inconclusive(tmp_path):
