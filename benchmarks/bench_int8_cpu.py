@@ -8,9 +8,9 @@ dynamic batch, converted twice by the CLI: fp32, and int8 calibrated on ``--samp
 given with ``--calibration``. A third graph, the int8 bundle's fp32 reference quantized with int8
 *activations* (ONNX Runtime's S8S8) instead of deploykit's uint8 (U8S8), shows why uint8 was chosen.
 
-Each graph runs in a plain ``onnxruntime.InferenceSession`` (CPU provider, default options); at each
-batch size the graphs are timed side by side in interleaved rounds of ``--calls`` calls, and a
-graph's time is the median over rounds of each round's median call. Accuracy: the int8 logits
+Each graph runs in a plain ``onnxruntime.InferenceSession`` (CPU provider, default options), one
+session at a time (see ``time_graphs``); at each batch size the graphs take turns in ``--rounds``
+rounds of ``--calls`` calls, and a graph's time is the median over rounds of each round's median call. Accuracy: the int8 logits
 against PyTorch fp32 on ``--check`` random images disjoint from the calibration samples (top-1
 agreement, cosine).
 """
@@ -83,24 +83,29 @@ def quantize_s8s8(reference: Path, out: Path, samples: np.ndarray) -> Path:
 
 
 def time_graphs(paths: dict[str, Path], batch: int, image: int, rounds: int, calls: int) -> dict[str, float]:
-    """Median ms per call of each graph at ``batch``, timed in interleaved rounds."""
+    """Median ms per call of each graph at ``batch``: in each round every graph gets a fresh session,
+    three warm-up calls and ``calls`` timed ones; the graph's time is the median of its rounds' medians.
+
+    One session exists at a time: ONNX Runtime's idle worker threads spin, and on this 2-core machine
+    a second session's spinning takes the cores from the one being timed (measured: the int8 resnet18
+    at batch 1 ran 4.6 ms alone, 7.4 ms with the fp32 session open beside it).
+    """
     import onnxruntime as ort
 
-    sessions = {name: ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-                for name, path in paths.items()}
     feeds = {"x": np.random.default_rng(batch).standard_normal((batch, 3, image, image), dtype=np.float32)}
-    for session in sessions.values():
-        for _ in range(3):
-            session.run(None, feeds)
-    medians = {name: [] for name in sessions}
+    medians = {name: [] for name in paths}
     for _ in range(rounds):
-        for name, session in sessions.items():
+        for name, path in paths.items():
+            session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+            for _ in range(3):
+                session.run(None, feeds)
             times = []
             for _ in range(calls):
                 started = time.perf_counter()
                 session.run(None, feeds)
                 times.append(time.perf_counter() - started)
             medians[name].append(statistics.median(times) * 1e3)
+            del session
     return {name: statistics.median(values) for name, values in medians.items()}
 
 
