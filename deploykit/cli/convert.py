@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 import click
@@ -166,10 +167,11 @@ def _int8_lines(info: dict) -> list[str]:
     lines = [f"Precision: int8 ({_count(nodes['int8'], 'node')} int8, {nodes['float']} float; {info['format']}); "
              f"calibrated ({info['calibration_method']}) on {calibration['samples']} "
              + ("seeded random samples (see ? below)" if calibration.get("note") else f"samples of {calibration['source']}")]
-    kept = [n for n in info["float_nodes"] if not n["reason"].startswith("not an op type")]
-    lines += [f"  float: {n['node']} ({n['op']}): {n['reason']}" for n in kept[:_LISTED_FP32_NODES]]
-    if len(kept) > _LISTED_FP32_NODES:
-        lines.append(f"  ... and {len(kept) - _LISTED_FP32_NODES} more (report.json lists them)")
+    by_reason: dict[str, collections.Counter] = {}
+    for node in info["float_nodes"]:
+        by_reason.setdefault(node["reason"], collections.Counter())[node["op"]] += 1
+    for reason, ops in by_reason.items():  # one line per reason: report.json names every node
+        lines.append(f"  float: {', '.join(f'{count} {op}' for op, count in ops.most_common())}: {reason}")
     return lines
 
 
