@@ -124,6 +124,9 @@ def test_int8_without_calibration_is_inconclusive(tmp_path):
     assert "random inputs" in manifest["validation"]["inconclusive"]["output"]
     report = json.loads((tmp_path / "bundle" / "report.json").read_text())
     assert report["verdict"] == "inconclusive" and "random inputs" in report["summary"]
+    inspected = run_deploykit("inspect", "bundle", cwd=tmp_path, columns=200)
+    assert "inconclusive for output output: the int8 scales were calibrated on random inputs" in inspected.stderr
+    assert "int8: 4 nodes quantized, 0 float" in inspected.stderr
 
 
 @pytest.mark.parametrize("arrays, words", [
