@@ -58,6 +58,8 @@ def test_int8_with_calibration_passes(calibrated):
     assert {"QuantizeLinear", "DequantizeLinear"} <= ops and "MatMulRelu" not in ops  # Linear+ReLU runs in int8
     quantized = {node.op_type for node in model.graph.node if node.name in precision["quantized_nodes"]}
     assert {"Conv", "Gemm", "Add"} <= quantized
+    passes = [p["name"] for p in report["passes"]]
+    assert "fuse_batch_norm" in passes and not {"fuse_matmul_relu", "ort_fusions"} & set(passes)
     assert "Precision: int8" in result.stderr and "PASS" in result.stderr
 
 
