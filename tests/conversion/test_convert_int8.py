@@ -6,6 +6,7 @@ they stand for a user's data.
 """
 
 import json
+import subprocess
 
 import numpy as np
 import onnx
@@ -17,6 +18,7 @@ import deploykit
 import model_zoo
 from deploykit.testing import calibrate_batch_norm
 from deploykit.validation.compare import compare_output, parse_tolerances
+from cpp_runtime import built_runtime
 from deploykit_cli import assert_rejected, convert, run_deploykit
 
 IMAGE = "x:1x3x16x16"
@@ -93,6 +95,18 @@ def test_int8_bundle_runs_in_plain_onnxruntime_and_deploykit_load(calibrated):
     for actual in (plain, loaded):
         assert compare_output("output", reference, actual, tolerances["output"]).passed
     np.testing.assert_allclose(plain, loaded, atol=1e-4)
+
+
+def test_deploykit_run_runs_an_int8_bundle_as_python_does(calibrated):
+    """The C++ runtime (cached by build-runtime) on the QDQ graph with our op library."""
+    folder, _ = calibrated
+    x = np.random.default_rng(12).standard_normal((4, 3, 16, 16), dtype=np.float32)
+    np.save(folder / "x.npy", x)
+    done = subprocess.run([built_runtime()["executable"], str(folder / "bundle"), "--input", f"x={folder / 'x.npy'}",
+                           "-o", str(folder / "cpp")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    expected = deploykit.load(folder / "bundle", device="cpu")(x=x)["output"]
+    np.testing.assert_allclose(np.load(folder / "cpp" / "output.npy"), expected, atol=1e-5)
 
 
 def test_deploykit_validate_judges_an_int8_bundle_and_debug_refuses_it(calibrated):
