@@ -30,7 +30,8 @@ def build_manifest(state: ConversionState) -> dict:
         "model": MODEL,
         "precision": options.precision,
         "io_precision": precision.io_precision if precision is not None else None,
-        "reference_model": REFERENCE_MODEL if precision is not None else None,
+        "reference_model": REFERENCE_MODEL if state.reference_graph is not None else None,
+        "quantization": _quantization(state),
         "opset": next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")),
                       state.exported.opset),  # bf16 graphs move to opset 22
         "ir_version": model.ir_version,
@@ -79,6 +80,15 @@ def tensor_spec(value: onnx.ValueInfoProto, batch: dict | None = None) -> dict:
     if batch:
         entry["dynamic"] = {"0": batch}
     return entry
+
+
+def _quantization(state: ConversionState) -> dict | None:
+    """int8: how it was calibrated (random data is said so), which nodes run in int8 and which stay float."""
+    if state.quantization is None:
+        return None
+    entry = state.quantization.to_json()
+    keys = ("format", "calibration_method", "calibration", "quantized_nodes", "float_nodes")
+    return {key: entry[key] for key in keys}
 
 
 def _validation(state: ConversionState) -> dict:

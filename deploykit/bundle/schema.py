@@ -166,13 +166,25 @@ class Header(Part):
     format_version: Size
 
 
+class Quantization(Part):
+    """int8 (``convert --precision int8``): the calibration (``note`` says when it was random data, which
+    proves nothing for real inputs), the nodes quantized, the nodes kept float and why."""
+
+    format: str
+    calibration_method: Literal["minmax", "entropy", "percentile"]
+    calibration: dict[str, str | int]
+    quantized_nodes: list[str] = []
+    float_nodes: list[dict[str, str | None]] = []
+
+
 class Manifest(Header):
     created: str = ""
     source: str = ""
     model: FileName = "model.onnx"
-    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
     io_precision: Literal["fp32", "fp16", "bf16"] | None = None
     reference_model: FileName | None = None
+    quantization: Quantization | None = None
     opset: Count = 0
     ir_version: Count = 0
     exporter: str = ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 import click
@@ -16,6 +17,8 @@ from deploykit.cli._printing import (
 )
 
 PRECISIONS = ["fp32", "fp16", "bf16"]
+#: int8 is a precision of the weights and activations only: inputs and outputs stay float.
+MODEL_PRECISIONS = [*PRECISIONS, "int8"]
 
 #: fp32 nodes of a low-precision graph listed by name; report.json has the rest.
 _LISTED_FP32_NODES = 8
@@ -37,8 +40,14 @@ _LISTED_FP32_NODES = 8
                    "where no value changes).")
 @seed_option("Seed of the random validation inputs.")
 @tolerance_option
-@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
-              help="Write this precision into the graph; sensitive nodes stay fp32 (docs/precision.md).")
+@click.option("--precision", type=click.Choice(MODEL_PRECISIONS), default="fp32", show_default=True,
+              help="Write this precision into the graph; sensitive nodes stay fp32 (int8: ONNX Runtime's static "
+                   "quantization on the CPU; docs/precision.md).")
+@click.option("--calibration", "calibration_path", type=click.Path(path_type=Path),
+              help="int8: samples that fit the scales (.npz named after the model inputs, axis 0 = samples); "
+                   "without it random inputs do, and the verdict is inconclusive.")
+@click.option("--calibration-method", type=click.Choice(["minmax", "entropy", "percentile"]), default="minmax",
+              show_default=True, help="int8: how the activation ranges are chosen from the calibration samples.")
 @click.option("--io-precision", type=click.Choice(PRECISIONS),
               help="Type of the float inputs and outputs (default: as declared).")
 @click.option("--auto-fix", is_flag=True, help="If validation fails, pin the nodes that diverge to fp32 and retry.")
@@ -59,7 +68,7 @@ _LISTED_FP32_NODES = 8
 @json_option("Print the report as JSON on stdout.")
 @verbose_option("Show tracebacks and exporter logs.")
 def convert(model, output, inputs, batch, factory, trust_pickle, exporter, opset, feeds_path, seed, tolerances,
-            precision, io_precision, auto_fix, no_custom_ops, no_ort_fusions, backend, aoti_shapes, trt_targets,
+            precision, calibration_path, calibration_method, io_precision, auto_fix, no_custom_ops, no_ort_fusions, backend, aoti_shapes, trt_targets,
             trt_workspace, tune, force, as_json, verbose):
     """Convert MODEL (TorchScript, .pt2, state_dict with --factory) into a validated bundle."""
     from deploykit.api import ConvertOptions, convert as run_convert  # heavy imports after parsing
@@ -72,6 +81,7 @@ def convert(model, output, inputs, batch, factory, trust_pickle, exporter, opset
         feeds_path=feeds_path, seed=seed, tolerances=list(tolerances), force=force,
         custom_ops=not no_custom_ops, ort_fusions=not no_ort_fusions, backend=backend, aoti_shapes=aoti_shapes,
         precision=precision, io_precision=io_precision, auto_fix=auto_fix, tune=tune,
+        calibration_path=calibration_path, calibration_method=calibration_method,
         trt_targets=[t.strip() for t in trt_targets.split(",")] if trt_targets else None,
         trt_workspace_bytes=trt_workspace << 20 if trt_workspace else None,
     )
@@ -131,6 +141,8 @@ def _precision_lines(report: dict) -> list[str]:
     info = report.get("precision") or {}
     if info.get("precision", "fp32") == "fp32":
         return []
+    if info["precision"] == "int8":
+        return _int8_lines(info)
     nodes, low = info["nodes"], info["precision"]
     lines = [f"Precision: {low} ({_count(nodes[low], 'node')} {low}, {nodes['fp32']} fp32, "
              f"{_count(info['casts'], 'cast')}); {info['execution']}"]
@@ -146,6 +158,20 @@ def _precision_lines(report: dict) -> list[str]:
         summary = tradeoff_lines(fix["outputs_before"], fix["outputs_after"], fix["tradeoff"])
         lines += ["  " + line for line in summary]
         lines.append(f"  auto-fix: {fix['stopped']}")
+    return lines
+
+
+def _int8_lines(info: dict) -> list[str]:
+    """What ``convert --precision int8`` prints: the counts, the calibration, the float nodes that matter."""
+    nodes, calibration = info["nodes"], info["calibration"]
+    lines = [f"Precision: int8 ({_count(nodes['int8'], 'node')} int8, {nodes['float']} float; {info['format']}); "
+             f"calibrated ({info['calibration_method']}) on {calibration['samples']} "
+             + ("seeded random samples (see ? below)" if calibration.get("note") else f"samples of {calibration['source']}")]
+    by_reason: dict[str, collections.Counter] = {}
+    for node in info["float_nodes"]:
+        by_reason.setdefault(node["reason"], collections.Counter())[node["op"]] += 1
+    for reason, ops in by_reason.items():  # one line per reason: report.json names every node
+        lines.append(f"  float: {', '.join(f'{count} {op}' for op, count in ops.most_common())}: {reason}")
     return lines
 
 

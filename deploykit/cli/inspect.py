@@ -65,8 +65,14 @@ def _print_info(info: dict) -> None:
     console.print(f"validation at conversion: {'passed' if validation.get('passed') else 'FAILED'} on "
                   f"{validation.get('backend')}, batch sizes {validation.get('batch_sizes')}, max abs {worst}; "
                   f"tolerances: {tolerances}", soft_wrap=True)
-    for name in validation.get("inconclusive", {}):
-        console.print(f"  [yellow]inconclusive[/] for output {name}: it does not depend on the input", soft_wrap=True)
+    for name, reason in validation.get("inconclusive", {}).items():  # the reason's first part: what, not the advice
+        console.print(f"  [yellow]inconclusive[/] for output {name}: {reason.split('; ')[0]}", soft_wrap=True)
+    if info["quantization"]:
+        quantization, calibration = info["quantization"], info["quantization"]["calibration"]
+        console.print(f"int8: {len(quantization['quantized_nodes'])} nodes quantized, "
+                      f"{len(quantization['float_nodes'])} float ({quantization['format']}); calibrated "
+                      f"({quantization['calibration_method']}) on {calibration['samples']} samples of "
+                      f"{calibration['source']}", soft_wrap=True)
     if info["tuning"]:
         print_tuning_table(info["tuning"])
     for native in info["native"]:

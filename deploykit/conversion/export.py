@@ -66,9 +66,15 @@ def export_onnx(
             f"the {chosen} exporter wrote opset {written}, not the requested {opset}; "
             f"use --opset {written}" + (" or --exporter torchscript" if chosen == "dynamo" else "")
         )
-    # Declare the oldest IR version that holds this opset, so older runtimes read the file.
-    model.ir_version = min(model.ir_version, onnx.helper.find_min_ir_version_for(model.opset_import))
+    declare_oldest_ir_version(model)
     return ExportResult(model, chosen, opset, log.getvalue())
+
+
+def declare_oldest_ir_version(model: onnx.ModelProto) -> None:
+    """Declare the oldest IR version that holds the model's opsets, so older runtimes read the file
+    (domains onnx does not know, such as deploykit's, ask for none)."""
+    oldest = onnx.helper.find_min_ir_version_for(model.opset_import, ignore_unknown=True)
+    model.ir_version = min(model.ir_version, oldest)
 
 
 def _choose_exporter(loaded: LoadedModel, exporter: str) -> str:

@@ -1,6 +1,6 @@
 """What the CLI calls and users import: ``convert()`` runs the pipeline stage by stage.
 
-load -> check inputs -> export -> passes -> [precision] -> [op library] -> [TensorRT engine]
+load -> check inputs -> export -> passes -> [precision | int8] -> [op library] -> [TensorRT engine]
 -> [AOTInductor packages] -> validate -> [auto-fix] -> report -> bundle (see DESIGN.md). ``STEPS``
 lists the steps in order, each with the condition under which it runs; the state they share is
 :class:`~deploykit.conversion.state.ConversionState`.
@@ -33,13 +33,14 @@ from deploykit.conversion.export import check_program_batch, export_onnx
 from deploykit.conversion.loading import LoadedModel, load_model
 from deploykit.conversion.options import ConvertOptions
 from deploykit.conversion.precision import PrecisionStage
+from deploykit.conversion import quantize
 from deploykit.conversion.report import build_report
 from deploykit.conversion.state import ConversionState
 from deploykit.errors import BadInputError, DeployKitError, error_summary
 from deploykit.ops import custom_op_types
 from deploykit.passes import run_passes
 from deploykit.passes.ort_fusions import ort_only_ops
-from deploykit.passes.precision import check_precision
+from deploykit.passes.precision import LOW_TYPES, check_precision
 from deploykit.report import render_html
 from deploykit.specs import BatchRange, InputSpec
 from deploykit.validation.compare import parse_tolerances
@@ -71,7 +72,9 @@ def _no_stage(_title: str):
 def convert(options: ConvertOptions, stage=_no_stage) -> ConvertResult:
     """Convert, validate and bundle a model. ``stage(title)`` wraps each step (progress display)."""
     bundle.prepare_destination(Path(options.output).absolute(), options.force)
-    check_precision(options.precision, options.io_precision, options.auto_fix)
+    quantize.check_options(options)
+    if options.precision != "int8":
+        check_precision(options.precision, options.io_precision, options.auto_fix)
     state = ConversionState(options)
     for step in STEPS:
         if step.runs_when(state):
@@ -108,6 +111,8 @@ def _run_reference(state: ConversionState) -> None:
     state.example = _example_inputs(state.specs, state.options.batch)
     _probe(state.reference, state.example, state.specs)
     state.feed_sets = _validation_feeds(state.specs, state.options)
+    if state.options.precision == "int8":  # a bad --calibration file stops here, before the export
+        state.calibration = quantize.Calibration.read(state.options, state.specs)
 
 
 def _export(state: ConversionState) -> None:
@@ -120,7 +125,8 @@ def _export(state: ConversionState) -> None:
 def _optimize(state: ConversionState) -> None:
     options = state.options
     state.optimized, state.pass_stats = run_passes(state.exported.model, custom_ops=options.custom_ops,
-                                                   ort_fusions=options.ort_fusions)
+                                                   ort_fusions=options.ort_fusions,
+                                                   quantizable=options.precision == "int8")
 
 
 def _optimize_portable(state: ConversionState) -> None:
@@ -135,6 +141,11 @@ def _write_precision(state: ConversionState) -> None:
         graph = state.portable if state.portable is not None else state.optimized
         state.engine_precision = PrecisionStage.start(graph, options.precision, options.io_precision,
                                                       state.example, target="tensorrt")
+
+
+def _quantize(state: ConversionState) -> None:
+    state.quantization = quantize.QuantizationStage.start(state.optimized, state.calibration,
+                                                          state.options.calibration_method)
 
 
 def _find_op_library(state: ConversionState) -> None:
@@ -167,6 +178,10 @@ def _validate(state: ConversionState) -> None:
     candidates = _shipped_candidates(state)
     _check_signature(candidates[_first_onnx_label(candidates)], state.specs, state.reference.output_names)
     state.validations = validate(state.reference, candidates, state.feed_sets, state.tolerances, PLAIN_EXPORT)
+    if state.quantization is not None:
+        reasons = state.quantization.inconclusive_reasons(state.reference.output_names)
+        for validation in state.shipped_validations:
+            validation.inconclusive = {**validation.inconclusive, **reasons}
 
 
 def _auto_fix(state: ConversionState) -> None:
@@ -189,8 +204,8 @@ def _write_bundle(state: ConversionState) -> None:
     digests = {entry["file"]: entry["sha256"] for entry in state.native}  # the copies are not hashed again
     with bundle.staged_bundle(state.options.output, state.options.force, digests) as (staging, manifest):
         onnx.save_model(state.shipped_graph, staging / MODEL)
-        if state.precision is not None:
-            onnx.save_model(state.precision.fp32, staging / REFERENCE_MODEL)
+        if state.reference_graph is not None:
+            onnx.save_model(state.reference_graph, staging / REFERENCE_MODEL)
         if state.library.path is not None:
             shutil.copy2(state.library.path, staging / state.library.path.name)
         if state.engine is not None:
@@ -224,7 +239,11 @@ def _tune_requested(state: ConversionState) -> bool:
 
 
 def _reduced_precision(state: ConversionState) -> bool:
-    return state.options.precision != "fp32"
+    return state.options.precision in LOW_TYPES
+
+
+def _int8(state: ConversionState) -> bool:
+    return state.options.precision == "int8"
 
 
 def _uses_deploykit_ops(state: ConversionState) -> bool:
@@ -258,6 +277,8 @@ STEPS = (
     Step("Optimizing the graph for TensorRT (without ONNX Runtime's fused ops)", _optimize_portable,
          _tensorrt_needs_portable_graph),
     Step("Writing {options.precision} into the graph", _write_precision, _reduced_precision),
+    Step("Quantizing to int8 (ONNX Runtime static quantization, {options.calibration_method} calibration)",
+         _quantize, _int8),
     Step("Building deploykit's op library (cached after the first run)", _find_op_library, _uses_deploykit_ops),
     Step("Building the TensorRT engine", _build_engine, _tensorrt_requested),
     Step("Compiling AOTInductor packages (C++: slow)", _compile_aoti, _aoti_requested),
@@ -269,8 +290,9 @@ STEPS = (
 
 
 def _shipped_candidates(state: ConversionState) -> dict:
+    graph = "deploykit graph int8" if state.quantization is not None else "deploykit graph"
     candidates = _candidates(state.exported.model, state.shipped_graph, state.library, state.engine,
-                             state.precision, state.aoti)
+                             state.precision, state.aoti, graph)
     if state.engine is not None and state.engine.runner is None and state.engine_graph is not state.shipped_graph:
         # The engine cannot run here: the graph it was built from stands in for it.
         *shipped, plain = candidates.items()
@@ -292,19 +314,21 @@ PLAIN_EXPORT = "plain export"
 
 
 def _candidates(plain: onnx.ModelProto, optimized: onnx.ModelProto, library: OpLibrary, engine,
-                precision: PrecisionStage | None = None, aoti_stage: aoti.AotiStage | None = None) -> dict:
+                precision: PrecisionStage | None = None, aoti_stage: aoti.AotiStage | None = None,
+                graph: str = "deploykit graph") -> dict:
     """What validation compares with PyTorch; the first is the bundle as it will run, the AOTInductor
-    packages (one candidate per kind: static, dynamic) come after the ONNX graph."""
+    packages (one candidate per kind: static, dynamic) come after the ONNX graph. ``graph`` labels
+    the ONNX graph's candidates."""
     candidates = {}
     if engine is not None and engine.runner is not None:
         candidates["tensorrt engine"] = engine.runner
     if precision is not None:
         candidates.update(precision.candidates(library.path))
     elif library.path is not None:
-        candidates["deploykit graph + op library"] = OnnxRuntimeRunner.from_model(optimized, library.path)
-        candidates["deploykit graph, ONNX functions"] = OnnxRuntimeRunner.from_model(optimized)
+        candidates[f"{graph} + op library"] = OnnxRuntimeRunner.from_model(optimized, library.path)
+        candidates[f"{graph}, ONNX functions"] = OnnxRuntimeRunner.from_model(optimized)
     else:
-        candidates["deploykit graph"] = OnnxRuntimeRunner.from_model(optimized)
+        candidates[graph] = OnnxRuntimeRunner.from_model(optimized)
     if aoti_stage is not None:
         candidates.update(aoti_stage.runners)
     candidates[PLAIN_EXPORT] = OnnxRuntimeRunner.from_model(plain)

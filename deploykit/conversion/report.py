@@ -40,7 +40,7 @@ def build_report(state: ConversionState) -> dict:
         },
         "ort_fusions": _ort_fusions(state),
         "passes": [s.to_json() for s in state.shipped_pass_stats],
-        "precision": state.precision.to_json() if state.precision is not None else {"precision": "fp32"},
+        "precision": _precision(state),
         "graph": _graph(state),
         "validation": {
             "reference": "pytorch-fp32-cpu",
@@ -70,6 +70,9 @@ def _verdict(state: ConversionState) -> dict:
                f"(worst max abs error {worst:.3g}{', within fp32 rounding' if rounding else ''})")
     if not state.passed:
         summary = f"{failed_checks} check(s) failed on batch sizes {sizes}"
+    elif state.quantization is not None and state.quantization.calibration.random:
+        summary += (", but the int8 scales were fitted to random inputs (no --calibration): that proves nothing "
+                    "for real inputs")
     elif final.inconclusive:
         summary += (f", but that proves nothing for output {', '.join(final.inconclusive)}: "
                     "it does not depend on the input")
@@ -82,10 +85,22 @@ def _verdict(state: ConversionState) -> dict:
     }
 
 
+def _precision(state: ConversionState) -> dict:
+    """fp16/bf16's stage, int8's (what was quantized, what stayed float, what calibrated it), or fp32."""
+    if state.precision is not None:
+        return state.precision.to_json()
+    if state.quantization is not None:
+        return state.quantization.to_json()
+    return {"precision": "fp32"}
+
+
 def _failure_origin(state: ConversionState) -> str:
     """Which stage lost the accuracy, told by the plain export and the fp32 graph."""
     if not state.plain_validation.passed:
         return "the plain export fails as well, so the exporter (not deploykit's passes) lost accuracy"
+    if state.quantization is not None:
+        return ("the fp32 export passes, so int8 lost the accuracy: calibrate on real data (--calibration), try "
+                "--calibration-method entropy or percentile, or keep --precision fp32 or fp16")
     if state.precision is not None:
         return (f"the fp32 export passes, so {state.options.precision} lost the accuracy: deploykit debug BUNDLE "
                 "names the nodes, convert --auto-fix pins them to fp32")

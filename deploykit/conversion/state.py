@@ -19,6 +19,7 @@ from deploykit.conversion.export import ExportResult
 from deploykit.conversion.loading import LoadedModel
 from deploykit.conversion.options import ConvertOptions
 from deploykit.conversion.precision import PrecisionStage
+from deploykit.conversion.quantize import Calibration, QuantizationStage
 from deploykit.passes.base import PassStats
 from deploykit.specs import InputSpec
 from deploykit.validation.compare import Tolerance
@@ -35,6 +36,7 @@ class ConversionState:
     reference: Remembered | None = None  # the TorchRunner, run once per feed set
     example: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # the export's inputs
     feed_sets: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)  # validation's, one per batch size
+    calibration: Calibration | None = None  # int8: the samples the scales are fitted to (read before the export)
     # "Exporting ONNX": exported.model is the plain export
     exported: ExportResult | None = None
     # "Optimizing the graph": ONNX Runtime's graph, with its fused contrib ops unless --no-ort-fusions
@@ -48,6 +50,8 @@ class ConversionState:
     precision: PrecisionStage | None = None
     typed: onnx.ModelProto | None = None
     engine_precision: PrecisionStage | None = None
+    # "Quantizing to int8" (--precision int8): the QDQ graph and which nodes it quantized
+    quantization: QuantizationStage | None = None
     # "Building deploykit's op library"
     library: OpLibrary = OpLibrary(None, "the graph uses no deploykit op")
     # "Building the TensorRT engine"; auto-fix rebuilds it from the fixed graph
@@ -70,8 +74,15 @@ class ConversionState:
 
     @property
     def shipped_graph(self) -> onnx.ModelProto | None:
-        """The latest graph: auto-fixed, else typed to the precision, else optimized."""
-        return next((g for g in (self.fixed, self.typed, self.optimized) if g is not None), None)
+        """The latest graph: auto-fixed, else typed to the precision or quantized, else optimized."""
+        quantized = self.quantization.model if self.quantization is not None else None
+        return next((g for g in (self.fixed, self.typed, quantized, self.optimized) if g is not None), None)
+
+    @property
+    def reference_graph(self) -> onnx.ModelProto | None:
+        """The fp32 graph a reduced-precision or int8 graph was made from (the bundle's model.fp32.onnx)."""
+        stage = self.precision or self.quantization
+        return stage.fp32 if stage is not None else None
 
     @property
     def engine_graph(self) -> onnx.ModelProto | None:

@@ -23,15 +23,18 @@ PASSES: tuple[GraphPass, ...] = (FoldConstants(), FoldBatchNorm(), OrtFusions(),
                                  FuseMatMulRelu(), RemoveDeadCode())
 
 
-def run_passes(model: onnx.ModelProto, custom_ops: bool = True,
-               ort_fusions: bool = True) -> tuple[onnx.ModelProto, list[PassStats]]:
-    """Run :data:`PASSES`, without those writing deploykit's ops unless ``custom_ops`` and
-    without those writing ONNX Runtime's contrib ops unless ``ort_fusions``."""
+def run_passes(model: onnx.ModelProto, custom_ops: bool = True, ort_fusions: bool = True,
+               quantizable: bool = False) -> tuple[onnx.ModelProto, list[PassStats]]:
+    """Run :data:`PASSES`, without those writing deploykit's ops unless ``custom_ops``, without
+    those writing ONNX Runtime's contrib ops unless ``ort_fusions``, and, for a graph to be
+    quantized (``quantizable``), without those that hide a matrix product inside an op int8
+    quantization leaves float."""
     ir_model = ir.serde.deserialize_model(model)
     # Folding into MatMul needs input ranks: infer shapes the exporter did not record.
     common_passes.ShapeInferencePass()(ir_model)
     chosen = [graph_pass for graph_pass in PASSES
-              if (custom_ops or not graph_pass.emits_custom_ops) and (ort_fusions or not graph_pass.emits_contrib_ops)]
+              if (custom_ops or not graph_pass.emits_custom_ops) and (ort_fusions or not graph_pass.emits_contrib_ops)
+              and not (quantizable and graph_pass.hides_quantizable_ops)]
     stats = [graph_pass(ir_model).stats for graph_pass in chosen]
     return ir.serde.serialize_model(ir_model), stats
 

@@ -62,6 +62,9 @@ class GraphPass(ir.passes.InPlacePass):
     #: Whether it writes ONNX Runtime's contrib ops, which only ONNX Runtime runs (convert --no-ort-fusions
     #: skips it; the TensorRT engine is built without it).
     emits_contrib_ops = False
+    #: Whether it folds Conv/MatMul/Gemm into an op int8 quantization cannot quantize (convert
+    #: --precision int8 skips it, so that those products run in int8: docs/precision.md).
+    hides_quantizable_ops = False
 
     def rewrite(self, model: ir.Model) -> dict[str, int]:
         return {}

@@ -96,6 +96,7 @@ class FuseMatMulRelu(GraphPass):
 
     name = "fuse_matmul_relu"
     emits_custom_ops = True
+    hides_quantizable_ops = True
 
     def rewrite(self, model: ir.Model) -> dict[str, int]:
         rules = [_FuseGemmRelu.rule(True), _FuseGemmRelu.rule(False), _FuseMatMulRelu.rule(True),

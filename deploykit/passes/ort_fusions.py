@@ -28,6 +28,7 @@ class OrtFusions(GraphPass):
 
     name = "ort_fusions"
     emits_contrib_ops = True
+    hides_quantizable_ops = True  # Attention holds the projections' MatMuls
 
     def rewrite(self, model: ir.Model) -> dict[str, int]:
         _, counts = fuse_xformers(model)

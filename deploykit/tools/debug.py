@@ -45,6 +45,9 @@ def open_bundle(path: Path, trust_native: bool = False) -> BundleGraphs:
     been edited since conversion), but the op library is native code, so it is verified and goes
     through the trust decision like every loader's (noting a foreign one swapped for this machine's build)."""
     bundle = read.open_bundle(path)
+    if bundle.precision == "int8":  # its per-node rounding is not the fp16 emulation debug compares
+        raise BadInputError("deploykit debug does not examine int8 bundles yet; deploykit validate BUNDLE MODEL "
+                            "compares one with PyTorch output by output")
     reference = _file_if_present(bundle, bundle.manifest.get("reference_model") or REFERENCE_MODEL)
     notes: list[str] = []
     library = trust.op_library(bundle, trust_native=trust_native, notes=notes) if bundle.op_library else None

@@ -38,33 +38,35 @@ def _random_array(rng: np.random.Generator, spec: InputSpec) -> np.ndarray:
     return rng.integers(0, 2, spec.shape).astype(bool)
 
 
-def read_arrays(path: str | Path) -> dict[str, np.ndarray]:
-    """The arrays of a user's ``.npz`` by name; refused when it is not an archive of non-empty arrays."""
+def read_arrays(path: str | Path, option: str = "--inputs") -> dict[str, np.ndarray]:
+    """The arrays of a user's ``.npz`` by name; refused when it is not an archive of non-empty arrays
+    (``option``: the flag that named the file, as the error names it)."""
     path = Path(path)
     fix = "save with numpy.savez(PATH, NAME=array, ...)"
     try:
         loaded = np.load(path, allow_pickle=False)
         if not isinstance(loaded, np.lib.npyio.NpzFile):
-            raise BadInputError(f"--inputs {path} holds a single array (.npy), not named arrays; {fix}")
+            raise BadInputError(f"{option} {path} holds a single array (.npy), not named arrays; {fix}")
         with loaded as archive:
             arrays = {name: archive[name] for name in archive.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
-        raise BadInputError(f"--inputs {path}: cannot read it as .npz ({error}); {fix}") from None
+        raise BadInputError(f"{option} {path}: cannot read it as .npz ({error}); {fix}") from None
     empty = [name for name, array in arrays.items() if array.size == 0]
     if empty:
-        raise BadInputError(f"--inputs {path}: {', '.join(empty)} holds no values (shape "
+        raise BadInputError(f"{option} {path}: {', '.join(empty)} holds no values (shape "
                             f"{'x'.join(map(str, arrays[empty[0]].shape))}); give at least one sample")
     return arrays
 
 
-def load_feeds(path: str | Path, specs: list[InputSpec]) -> dict[str, np.ndarray]:
+def load_feeds(path: str | Path, specs: list[InputSpec], option: str = "--inputs") -> dict[str, np.ndarray]:
     """Read a user's ``.npz`` and check it holds every declared input with a fitting shape, each
-    cast to its declared dtype only where no value changes (convert and debug compare on these)."""
-    arrays = read_arrays(path)
+    cast to its declared dtype only where no value changes (convert and debug compare on these;
+    ``convert --calibration`` calibrates int8 on them)."""
+    arrays = read_arrays(path, option)
     missing = [spec.name for spec in specs if spec.name not in arrays]
     if missing:
         raise BadInputError(
-            f"--inputs {path} lacks {', '.join(missing)} (it holds {', '.join(arrays) or 'nothing'}); "
+            f"{option} {path} lacks {', '.join(missing)} (it holds {', '.join(arrays) or 'nothing'}); "
             "name the arrays after the model's inputs"
         )
     feeds = {}
@@ -72,10 +74,10 @@ def load_feeds(path: str | Path, specs: list[InputSpec]) -> dict[str, np.ndarray
         array = arrays[spec.name]
         if array.shape[1:] != spec.shape[1:] or array.ndim != len(spec.shape):
             raise BadInputError(
-                f"--inputs {path}: {spec.name} has shape {'x'.join(map(str, array.shape))}, "
+                f"{option} {path}: {spec.name} has shape {'x'.join(map(str, array.shape))}, "
                 f"the model takes {'x'.join(map(str, spec.shape))} (any batch size)"
             )
-        feeds[spec.name] = cast_input(spec.name, array, spec.dtype, path)
+        feeds[spec.name] = cast_input(spec.name, array, spec.dtype, path, option=option)
     return feeds
 
 
@@ -85,7 +87,7 @@ def dtype_mismatch(name: str, given: np.dtype, wanted: str) -> str:
 
 
 def cast_input(name: str, array: np.ndarray, dtype: str, path: Path,
-               rounding_notes: list[str] | None = None) -> np.ndarray:
+               rounding_notes: list[str] | None = None, option: str = "--inputs") -> np.ndarray:
     """``array`` as ``dtype`` when every value survives the cast (a .npz of Python numbers is
     float64 or int64); a cast that would change a value is refused, as deploykit.load refuses
     every cast, unless it only rounds floats and ``rounding_notes`` takes the note."""
@@ -99,12 +101,12 @@ def cast_input(name: str, array: np.ndarray, dtype: str, path: Path,
     if not changed.any():
         return cast
     if rounding_notes is not None and _only_rounded(array, cast):
-        rounding_notes.append(f"--inputs {path}: input {name} rounded from {array.dtype} to {dtype}, "
+        rounding_notes.append(f"{option} {path}: input {name} rounded from {array.dtype} to {dtype}, "
                               f"the bundle's input dtype ({int(changed.sum())} values changed)")
         return cast
     first = tuple(int(i) for i in np.argwhere(changed)[0])
     example = f"{array[first].item()!r} becomes {cast[first].item()!r}"
-    raise BadInputError(f"--inputs {path}: {dtype_mismatch(name, array.dtype, dtype)}, and the cast would change "
+    raise BadInputError(f"{option} {path}: {dtype_mismatch(name, array.dtype, dtype)}, and the cast would change "
                         f"{int(changed.sum())} of its values (e.g. {example}): save it as {dtype}")
 
 

@@ -133,7 +133,8 @@ def _diff(node: ir.Node, value: ir.Value, ref: np.ndarray, cand: np.ndarray, inp
     max_abs, scale = float(delta.max(initial=0.0)), float(np.abs(ref64[finite]).max(initial=0.0))
     cosine = _cosine(ref64[finite], cand64[finite])
     new_nonfinite = int((np.isfinite(ref64) & ~np.isfinite(cand64)).sum())
-    diverged = new_nonfinite > 0 or max_abs > tol.atol + tol.rtol * scale or cosine < tol.min_cosine
+    atol, rtol = tol.elementwise or (float("inf"), 0.0)
+    diverged = new_nonfinite > 0 or max_abs > atol + rtol * scale or cosine < tol.min_cosine
     dtype = str(value.dtype.name).lower() if value.dtype is not None else "?"
     return LayerDiff(node.name, node.op_type, value.name, dtype, max_abs, scale, cosine, new_nonfinite,
                      inputs_finite, diverged)

@@ -23,6 +23,8 @@ import pytest
 import torch
 from torch import nn
 
+from deploykit_cli import assert_rejected
+
 BUNDLE_FILES = {"manifest.json", "model.onnx", "report.json", "report.html"}
 INPUT = "x:1x3x16x16"
 
@@ -115,15 +117,6 @@ def assert_nothing_left(out: Path, before: dict[str, bytes] | None = None) -> No
         assert snapshot(out) == before, f"{out} was modified"
     leftovers = [*out.parent.glob(f".{out.name}.*.partial"), *out.parent.glob(f".{out.name}.*.old")]
     assert not leftovers, f"staging directories left behind: {leftovers}"
-
-
-def assert_rejected(result: subprocess.CompletedProcess, *words: str) -> None:
-    """Exit 2, every word of the message in stderr, and no traceback."""
-    report = f"exit {result.returncode}\nstderr:\n{result.stderr}\nstdout:\n{result.stdout}"
-    assert result.returncode == 2, report
-    for word in words:
-        assert word in result.stderr, f"{word!r} missing from stderr\n{report}"
-    assert "Traceback" not in result.stderr, report
 
 
 def save_with_helper(helpers: Path, expression: str, path: Path) -> Path:

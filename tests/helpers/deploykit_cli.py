@@ -41,3 +41,12 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def convert(cwd: Path, *args) -> subprocess.CompletedProcess:
     """``deploykit convert ARGS`` in ``cwd``, its tables 120 columns wide."""
     return run_deploykit("convert", *args, cwd=cwd, columns=120)
+
+
+def assert_rejected(result: subprocess.CompletedProcess, *words: str) -> None:
+    """Exit 2, every word of the message in stderr, and no traceback."""
+    report = f"exit {result.returncode}\nstderr:\n{result.stderr}\nstdout:\n{result.stdout}"
+    assert result.returncode == 2, report
+    for word in words:
+        assert word in result.stderr, f"{word!r} missing from stderr\n{report}"
+    assert "Traceback" not in result.stderr, report

@@ -124,6 +124,28 @@ def tiny_conv() -> nn.Module:
     return TinyConv()
 
 
+class ResidualConv(nn.Module):
+    """A residual block whose BatchNorm follows the Add (pre-activation style: no weight absorbs it,
+    deploykit::FusedBatchNorm does), then a Linear -> ReLU head; 3x16x16 images, 10 classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.branch = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                                    nn.Conv2d(16, 16, 3, padding=1))
+        self.after_add = nn.Sequential(nn.BatchNorm2d(16), nn.ReLU())
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(16 * 4 * 4, 32), nn.ReLU(), nn.Linear(32, 10))
+
+    def forward(self, x):
+        stem = self.stem(x)
+        features = self.after_add(stem + self.branch(stem))
+        return self.head(nn.functional.adaptive_avg_pool2d(features, 4))
+
+
+def residual_conv() -> nn.Module:
+    return ResidualConv()
+
+
 class TransformerMLP(nn.Module):
     """Transformer-style feed-forward blocks: Linear -> ReLU -> Linear on (batch, tokens, width)."""
 

@@ -230,7 +230,7 @@ def test_output_names_containing_a_colon_can_be_targeted():
 
 @pytest.mark.parametrize("text, expected", [
     ("probs:atol=1e-3", ["'probs'", "logits, features"]),
-    ("tolerance=1e-3", ["unknown key 'tolerance'", "atol, rtol, min_cosine or min_top1"]),
+    ("tolerance=1e-3", ["unknown key 'tolerance'", "atol, rtol, min_cosine, min_top1 or top1_tie_margin"]),
     ("logits:atl=1e-3", ["unknown key 'atl'"]),
     ("atol=small", ["'atol=small' needs a number"]),
 ])

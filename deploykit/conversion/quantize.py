@@ -1,0 +1,253 @@
+"""Convert's int8 stage: ``convert --precision int8`` through ONNX Runtime's static quantization.
+
+It runs on the optimized fp32 graph, after deploykit's passes: BatchNorm is already folded into
+the convolutions, so each folded weight is quantized once, per output channel, as it will run.
+The graph it writes is QDQ (QuantizeLinear/DequantizeLinear around every quantized node), which
+any ONNX runtime reads and ONNX Runtime's CPU provider fuses into int8 kernels.
+
+Only the standard ONNX op types of :data:`QUANTIZED_OPS` are quantized. Everything else stays
+float and reads the DequantizeLinear output of a quantized producer: deploykit's own ops (our
+kernels are float), ONNX Runtime's contrib ops, normalisations, Softmax. docs/precision.md says
+why, and what the measurements chose (uint8 activations, int8 weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import logging
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from deploykit.bundle.format import REFERENCE_MODEL
+from deploykit.conversion.export import declare_oldest_ir_version
+from deploykit.conversion.options import ConvertOptions
+from deploykit.errors import BadInputError
+from deploykit.passes.precision import name_nodes
+from deploykit.specs import InputSpec
+from deploykit.validation.inputs import load_feeds, random_feeds
+
+CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
+#: Standard ONNX ops that run in int8. The matrix products are the speed; the elementwise and data
+#: movement ops between them keep the tensors int8 so that no DequantizeLinear/QuantizeLinear pair
+#: sits between two quantized products (ONNX Runtime folds Relu and Clip into the QuantizeLinear).
+QUANTIZED_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Mul", "Relu", "Clip", "MaxPool",
+                 "AveragePool", "GlobalAveragePool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze",
+                 "Concat", "Resize", "Pad", "Slice", "Split")
+#: Random calibration inputs when no --calibration is given: as many as a quick calibration uses.
+RANDOM_SAMPLES = 32
+#: Added to --seed for the random calibration inputs: disjoint from the validation inputs.
+RANDOM_SEED_OFFSET = 10_007
+_STANDARD_DOMAINS = ("", "ai.onnx")
+_QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+RANDOM_DATA_NOTE = ("the int8 scales were calibrated on random inputs (no --calibration): they fit random data, "
+                    "so this result proves nothing for real inputs; convert with --calibration data.npz "
+                    "(several hundred real samples, named like the model's inputs)")
+
+
+def check_options(options: ConvertOptions) -> None:
+    """Refuse what int8 does not do yet, and the int8 options without --precision int8."""
+    if options.precision != "int8":
+        if options.calibration_path is not None or options.calibration_method != "minmax":
+            raise BadInputError("--calibration and --calibration-method apply to int8: add --precision int8")
+        return
+    refused = {
+        "--auto-fix": options.auto_fix,
+        "--io-precision": options.io_precision is not None,
+        f"--backend {options.backend}": options.backend != "onnxruntime",
+    }
+    for flag, given in refused.items():
+        if given:
+            raise BadInputError(f"{flag} is not supported with --precision int8 yet (int8 runs in ONNX Runtime on the "
+                                f"CPU only); drop {flag.split()[0]}, or convert with --precision fp16")
+    if options.calibration_method not in CALIBRATION_METHODS:
+        raise BadInputError(f"--calibration-method {options.calibration_method!r}: use "
+                            f"{', '.join(CALIBRATION_METHODS)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What the scales were fitted on: the batches fed to the calibrator, and where they came from."""
+
+    batches: list[dict[str, np.ndarray]]
+    source: str  # the .npz path, or "random"
+    samples: int
+
+    @property
+    def random(self) -> bool:
+        return self.source == "random"
+
+    @classmethod
+    def read(cls, options: ConvertOptions, specs: list[InputSpec]) -> Calibration:
+        """The --calibration samples in batches the graph takes, else seeded random ones."""
+        if options.calibration_path is None:
+            samples = {spec.name: array for spec, array in zip(specs, random_feeds(
+                [spec.with_batch(RANDOM_SAMPLES) for spec in specs], options.seed + RANDOM_SEED_OFFSET).values())}
+            source = "random"
+        else:
+            samples = load_feeds(options.calibration_path, specs, option="--calibration")
+            _check_sample_counts(samples, options.calibration_path)
+            source = str(options.calibration_path)
+        size = next(iter(samples.values())).shape[0]
+        step = specs[0].shape[0]  # the declared batch (OPT of a dynamic range): the graph takes it
+        if options.batch is None and size < step:
+            raise BadInputError(f"--calibration {source}: {size} samples, fewer than the model's fixed batch {step}; "
+                                f"give at least {step}")
+        stop = size if options.batch is not None else size - size % step
+        batches = [{name: array[start:start + step] for name, array in samples.items()}
+                   for start in range(0, stop, step)]
+        return cls(batches, source, stop)
+
+    def to_json(self) -> dict:
+        entry = {"source": self.source, "samples": self.samples, "batches": len(self.batches)}
+        return {**entry, "note": RANDOM_DATA_NOTE} if self.random else entry
+
+
+def _check_sample_counts(samples: dict[str, np.ndarray], path: Path) -> None:
+    counts = {name: array.shape[0] for name, array in samples.items()}
+    if len(set(counts.values())) > 1:
+        listed = ", ".join(f"{name} {count}" for name, count in counts.items())
+        raise BadInputError(f"--calibration {path}: the arrays hold different numbers of samples ({listed}); "
+                            "axis 0 counts samples and must be the same for every input")
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeQuantization:
+    """A node of the quantized graph: int8 (it reads dequantized int8 tensors) or float, and why."""
+
+    node: str
+    op: str
+    precision: str  # int8 | float
+    reason: str | None = None
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class QuantizationStage:
+    """``convert --precision int8``: the fp32 graph, its QDQ quantization and what it quantized."""
+
+    fp32: onnx.ModelProto
+    model: onnx.ModelProto
+    method: str
+    calibration: Calibration
+    nodes: list[NodeQuantization]
+
+    @classmethod
+    def start(cls, optimized: onnx.ModelProto, calibration: Calibration, method: str) -> QuantizationStage:
+        fp32 = name_nodes(optimized)  # the report names every node, quantized or float
+        model = quantize(fp32, calibration.batches, method)
+        return cls(fp32, model, method, calibration, node_precisions(fp32, model))
+
+    def inconclusive_reasons(self, output_names: list[str]) -> dict[str, str]:
+        """Every output, where the scales were fitted to random data: passing proves nothing for real inputs."""
+        return dict.fromkeys(output_names, RANDOM_DATA_NOTE) if self.calibration.random else {}
+
+    def to_json(self) -> dict:
+        quantized = [n for n in self.nodes if n.precision == "int8"]
+        return {
+            "precision": "int8",
+            "io_precision": None,
+            "target": "onnxruntime",
+            "reference_model": REFERENCE_MODEL,
+            "format": "QDQ: int8 weights per output channel, uint8 activations per tensor",
+            "calibration_method": self.method,
+            "calibration": self.calibration.to_json(),
+            "nodes": {"int8": len(quantized), "float": len(self.nodes) - len(quantized)},
+            "quantized_nodes": [n.node for n in quantized],
+            "float_nodes": [n.to_json() for n in self.nodes if n.precision != "int8"],
+        }
+
+
+def quantize(model: onnx.ModelProto, batches: list[dict[str, np.ndarray]], method: str) -> onnx.ModelProto:
+    """``model`` quantized by ONNX Runtime's ``quantize_static`` (QDQ), calibrated on ``batches``."""
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+               "percentile": CalibrationMethod.Percentile}
+    with tempfile.TemporaryDirectory(prefix="deploykit-int8-") as work, _quiet():
+        source, target = Path(work) / "fp32.onnx", Path(work) / "int8.onnx"
+        onnx.save_model(model, source)
+        quantize_static(
+            source, target, _Batches(batches), quant_format=QuantFormat.QDQ, per_channel=True,
+            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, calibrate_method=methods[method],
+            op_types_to_quantize=list(QUANTIZED_OPS), nodes_to_exclude=_foreign_nodes(model),
+        )
+        quantized = onnx.load_model(target)
+    declare_oldest_ir_version(quantized)
+    return quantized
+
+
+class _Batches:
+    """ONNX Runtime's calibration data reader protocol over a list of feed dicts."""
+
+    def __init__(self, batches: list[dict[str, np.ndarray]]):
+        self.batches, self.position = batches, 0
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        if self.position == len(self.batches):
+            return None
+        self.position += 1
+        return self.batches[self.position - 1]
+
+    def rewind(self) -> None:
+        self.position = 0
+
+
+@contextlib.contextmanager
+def _quiet():
+    """quantize_static logs advice on the root logger and prints histogram progress to stdout,
+    which carries convert --json's report: neither reaches the user."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        logging.disable(previous)
+
+
+def _foreign_nodes(model: onnx.ModelProto) -> list[str]:
+    """Nodes outside ONNX's domain (deploykit's, ONNX Runtime's): never quantized, whatever their op type."""
+    return [node.name for node in model.graph.node if node.domain not in _STANDARD_DOMAINS]
+
+
+def node_precisions(fp32: onnx.ModelProto, quantized: onnx.ModelProto) -> list[NodeQuantization]:
+    """Each node of the fp32 graph: int8 where it is an op type we quantize and the quantized graph
+    feeds it dequantized int8 tensors (a Relu or Clip folded into its QuantizeLinear is gone: int8),
+    else float with the reason; a float node may read a DequantizeLinear too."""
+    producers = {output: node.op_type for node in quantized.graph.node for output in node.output}
+    kept = {node.name: node for node in quantized.graph.node if node.op_type not in _QDQ_OPS}
+    result = []
+    for node in fp32.graph.node:
+        after = kept.get(node.name)
+        reads_int8 = after is None or any(producers.get(name) == "DequantizeLinear" for name in after.input)
+        if _quantizable(node) and reads_int8:
+            result.append(NodeQuantization(node.name, _label(node), "int8"))
+        else:
+            result.append(NodeQuantization(node.name, _label(node), "float", _float_reason(node)))
+    return result
+
+
+def _quantizable(node: onnx.NodeProto) -> bool:
+    return node.domain in _STANDARD_DOMAINS and node.op_type in QUANTIZED_OPS
+
+
+def _float_reason(node: onnx.NodeProto) -> str:
+    if node.domain == "deploykit":
+        return "deploykit op: our kernels are float; it reads and writes float between DequantizeLinear and QuantizeLinear"
+    if node.domain not in _STANDARD_DOMAINS:
+        return f"{node.domain} op: left float"
+    if node.op_type not in QUANTIZED_OPS:
+        return "not an op type deploykit quantizes (normalisations, Softmax, exp/log and the like stay float)"
+    return ("it reads float tensors only (from a float node or a constant): ONNX Runtime's quantizer quantizes "
+            "pooling and data movement only where their input already is int8")
+
+
+def _label(node: onnx.NodeProto) -> str:
+    return node.op_type if node.domain in _STANDARD_DOMAINS else f"{node.domain}::{node.op_type}"

@@ -1,0 +1,201 @@
+"""``deploykit convert --precision int8``: ONNX Runtime's static quantization, through the CLI.
+
+The models' BatchNorm statistics are measured on random inputs (``calibrate_batch_norm``), as
+training leaves them; the calibration samples are random too, but given with ``--calibration``
+they stand for a user's data.
+"""
+
+import json
+import subprocess
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+import deploykit
+import model_zoo
+from deploykit.testing import calibrate_batch_norm
+from deploykit.validation.compare import compare_output, parse_tolerances
+from cpp_runtime import built_runtime
+from deploykit_cli import assert_rejected, convert, run_deploykit
+
+IMAGE = "x:1x3x16x16"
+
+
+def _save_weights(directory, name: str, shape: tuple) -> None:
+    torch.manual_seed(0)
+    model = calibrate_batch_norm(getattr(model_zoo, name)(), [torch.randn(32, *shape)], seed=1)
+    torch.save(model.state_dict(), directory / "weights.pt")
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """residual_conv converted to int8 with 64 calibration samples, batch 1:4:8: (folder, result)."""
+    folder = tmp_path_factory.mktemp("int8")
+    _save_weights(folder, "residual_conv", (3, 16, 16))
+    samples = np.random.default_rng(5).standard_normal((64, 3, 16, 16), dtype=np.float32)
+    np.savez(folder / "calibration.npz", x=samples)
+    result = convert(folder, "weights.pt", "--factory", "model_zoo:residual_conv", "--input", IMAGE,
+                     "--batch", "1:4:8", "--precision", "int8", "--calibration", "calibration.npz", "-o", "bundle")
+    return folder, result
+
+
+def test_int8_with_calibration_passes(calibrated):
+    folder, result = calibrated
+    assert result.returncode == 0, result.stderr
+    report = json.loads((folder / "bundle" / "report.json").read_text())
+    manifest = json.loads((folder / "bundle" / "manifest.json").read_text())
+    assert report["verdict"] == "pass" and manifest["precision"] == "int8"
+    precision = report["precision"]
+    assert precision["calibration"] == {"source": "calibration.npz", "samples": 64, "batches": 16}
+    assert manifest["quantization"]["calibration_method"] == "minmax"
+    assert set(manifest["quantization"]["quantized_nodes"]) == set(precision["quantized_nodes"])
+    tolerance = report["validation"]["candidates"][0]["runs"][0]["outputs"][0]["tolerance"]
+    assert tolerance["atol"] is None and tolerance["min_cosine"] == 0.99 and tolerance["min_top1"] == 0.95
+    model = onnx.load(folder / "bundle" / "model.onnx")
+    assert model.ir_version <= 13
+    ops = {node.op_type for node in model.graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops and "MatMulRelu" not in ops  # Linear+ReLU runs in int8
+    quantized = {node.op_type for node in model.graph.node if node.name in precision["quantized_nodes"]}
+    assert {"Conv", "Gemm", "Add"} <= quantized
+    passes = [p["name"] for p in report["passes"]]
+    assert "fuse_batch_norm" in passes and not {"fuse_matmul_relu", "ort_fusions"} & set(passes)
+    assert "Precision: int8" in result.stderr and "PASS" in result.stderr
+
+
+def test_custom_op_stays_float_between_dequantize_and_quantize(calibrated):
+    folder, _ = calibrated
+    report = json.loads((folder / "bundle" / "report.json").read_text())
+    floats = {n["op"]: n["reason"] for n in report["precision"]["float_nodes"]}
+    assert floats["deploykit::FusedBatchNorm"].startswith("deploykit op")
+    model = onnx.load(folder / "bundle" / "model.onnx")
+    producers = {out: node.op_type for node in model.graph.node for out in node.output}
+    fused = next(node for node in model.graph.node if node.op_type == "FusedBatchNorm")
+    assert producers[fused.input[0]] == "DequantizeLinear"  # it reads the dequantized int8 sum
+    assert all(model.graph.initializer[i].data_type == onnx.TensorProto.FLOAT for i in range(len(model.graph.initializer))
+               if model.graph.initializer[i].name in fused.input)
+    assert "int8 + op library" in report["validation"]["candidates"][0]["label"]
+
+
+def test_int8_bundle_runs_in_plain_onnxruntime_and_deploykit_load(calibrated):
+    folder, _ = calibrated
+    bundle = folder / "bundle"
+    x = np.random.default_rng(11).standard_normal((3, 3, 16, 16), dtype=np.float32)
+    session = ort.InferenceSession(str(bundle / "model.onnx"), providers=["CPUExecutionProvider"])
+    plain = session.run(None, {"x": x})[0]  # our op through its ONNX function
+    loaded = deploykit.load(bundle, device="cpu")(x=x)["output"]  # our op library
+    torch.manual_seed(0)
+    model = model_zoo.residual_conv()
+    model.load_state_dict(torch.load(folder / "weights.pt"))
+    with torch.no_grad():
+        reference = model.eval()(torch.from_numpy(x)).numpy()
+    tolerances = parse_tolerances([], "int8", ["output"])
+    for actual in (plain, loaded):
+        assert compare_output("output", reference, actual, tolerances["output"]).passed
+    np.testing.assert_allclose(plain, loaded, atol=1e-4)
+
+
+def test_deploykit_run_runs_an_int8_bundle_as_python_does(calibrated):
+    """The C++ runtime (cached by build-runtime) on the QDQ graph with our op library."""
+    folder, _ = calibrated
+    x = np.random.default_rng(12).standard_normal((4, 3, 16, 16), dtype=np.float32)
+    np.save(folder / "x.npy", x)
+    done = subprocess.run([built_runtime()["executable"], str(folder / "bundle"), "--input", f"x={folder / 'x.npy'}",
+                           "-o", str(folder / "cpp")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    expected = deploykit.load(folder / "bundle", device="cpu")(x=x)["output"]
+    np.testing.assert_allclose(np.load(folder / "cpp" / "output.npy"), expected, atol=1e-5)
+
+
+def test_deploykit_validate_judges_an_int8_bundle_and_debug_refuses_it(calibrated):
+    folder, _ = calibrated
+    validated = run_deploykit("validate", "bundle", "weights.pt", "--factory", "model_zoo:residual_conv", cwd=folder)
+    assert validated.returncode == 0 and "PASS" in validated.stderr, validated.stderr
+    assert_rejected(run_deploykit("debug", "bundle", cwd=folder), "does not examine int8 bundles yet")
+
+
+def test_int8_json_report_stays_clean_with_a_histogram_method(tmp_path):
+    """entropy and percentile calibration print progress on stdout, which carries --json's report."""
+    _save_weights(tmp_path, "tiny_conv", (3, 8, 8))
+    np.savez(tmp_path / "calibration.npz", x=np.random.default_rng(3).standard_normal((16, 3, 8, 8), dtype=np.float32))
+    result = convert(tmp_path, "weights.pt", "--factory", "model_zoo:tiny_conv", "--input", "x:1x3x8x8", "--precision",
+                     "int8", "--calibration", "calibration.npz", "--calibration-method", "entropy", "--json", "-o", "b")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["verdict"] == "pass" and report["precision"]["calibration_method"] == "entropy"
+    assert report["precision"]["calibration"] == {"source": "calibration.npz", "samples": 16, "batches": 16}
+
+
+def test_int8_without_calibration_is_inconclusive(tmp_path):
+    _save_weights(tmp_path, "tiny_conv", (3, 8, 8))
+    result = convert(tmp_path, "weights.pt", "--factory", "model_zoo:tiny_conv", "--input", "x:1x3x8x8",
+                     "--precision", "int8", "-o", "bundle")
+    assert result.returncode == 5, result.stderr
+    assert "calibrated on random inputs" in result.stderr and "--calibration data.npz" in result.stderr
+    assert "INCONCLUSIVE" in result.stderr and "Traceback" not in result.stderr
+    manifest = json.loads((tmp_path / "bundle" / "manifest.json").read_text())
+    assert "random inputs" in manifest["quantization"]["calibration"]["note"]
+    assert "random inputs" in manifest["validation"]["inconclusive"]["output"]
+    report = json.loads((tmp_path / "bundle" / "report.json").read_text())
+    assert report["verdict"] == "inconclusive" and "random inputs" in report["summary"]
+    inspected = run_deploykit("inspect", "bundle", cwd=tmp_path, columns=200)
+    assert "inconclusive for output output: the int8 scales were calibrated on random inputs" in inspected.stderr
+    assert "int8: 4 nodes quantized, 0 float" in inspected.stderr
+
+
+@pytest.mark.parametrize("arrays, words", [
+    ({"images": (4, 3, 8, 8)}, ["--calibration", "lacks x", "name the arrays after the model's inputs"]),
+    ({"x": (4, 3, 9, 8)}, ["--calibration", "x has shape 4x3x9x8", "the model takes 1x3x8x8"]),
+])
+def test_bad_calibration_file_is_one_line_exit_2(tmp_path, arrays, words):
+    _save_weights(tmp_path, "tiny_conv", (3, 8, 8))
+    np.savez(tmp_path / "calibration.npz", **{name: np.zeros(shape, np.float32) for name, shape in arrays.items()})
+    result = convert(tmp_path, "weights.pt", "--factory", "model_zoo:tiny_conv", "--input", "x:1x3x8x8",
+                     "--precision", "int8", "--calibration", "calibration.npz", "-o", "bundle")
+    assert_rejected(result, *words)
+    assert len([line for line in result.stderr.splitlines() if "error" in line]) == 1
+    assert not (tmp_path / "bundle").exists()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--precision", "int8", "--auto-fix"], ["--auto-fix is not supported with --precision int8 yet"]),
+    (["--precision", "int8", "--backend", "tensorrt"], ["--backend tensorrt is not supported with --precision int8"]),
+    (["--calibration", "data.npz"], ["--calibration and --calibration-method apply to int8"]),
+])
+def test_int8_refuses_what_it_does_not_do_yet(tmp_path, args, words):
+    result = convert(tmp_path, "weights.pt", "--input", "x:1x3x8x8", *args, "-o", "bundle")
+    assert_rejected(result, *words)
+
+
+def test_int8_tolerances_judge_by_cosine_and_top1():
+    """A 5% error of every logit passes (cosine 1); a swapped top class fails; --tolerance adds atol."""
+    reference = np.array([[4.0, 1.0, 0.5], [0.1, 3.0, 0.2]], np.float32)
+    scaled = compare_output("y", reference, reference * 1.05, parse_tolerances([], "int8", ["y"])["y"])
+    assert scaled.passed and scaled.metrics["max_abs"] > 0.1
+    swapped = reference[:, [1, 0, 2]] * 0.999 + reference * 0.001
+    assert not compare_output("y", reference, swapped, parse_tolerances([], "int8", ["y"])["y"]).passed
+    strict = parse_tolerances(["atol=0.01"], "int8", ["y"])["y"]
+    assert strict.min_cosine == 0.99 and not compare_output("y", reference, reference * 1.05, strict).passed
+
+
+def test_int8_top1_sets_near_ties_aside_but_counts_decided_flips():
+    """40 rows of 10 logits, noise of RMS 0.01: a row whose lead is 0.01 may flip (a near tie); a
+    row whose lead is 0.3 flipped by an error in that row alone is a real disagreement."""
+    rng = np.random.default_rng(0)
+    reference = rng.standard_normal((40, 10))
+    reference[:, 0] = reference.max(1) + 0.3  # every row has a clear leader ...
+    reference[:4, 1] = reference[:4, 0] - 0.01  # ... but four lead by 0.01 only
+    candidate = reference + rng.normal(0, 0.01, reference.shape)
+    candidate[:4, 1] = candidate[:4, 0] + 0.005  # the near ties flip
+    default = parse_tolerances([], "int8", ["y"])["y"]
+    result = compare_output("y", reference, candidate, default)
+    assert result.passed and result.metrics["top1_near_ties"] == 4 and result.metrics["top1_agreement"] == 0.9
+    every_row = parse_tolerances(["top1_tie_margin=0"], "int8", ["y"])["y"]
+    assert not compare_output("y", reference, candidate, every_row).passed
+    flipped = candidate.copy()
+    flipped[4:7, 0] = flipped[4:7, 1:].max(1) - 0.01  # three decided rows disagree: 33/36 < 0.95
+    failed = compare_output("y", reference, flipped, default)
+    assert failed.metrics["cosine"] > 0.99 and failed.failures == [
+        "top-1 agreement 0.9167 (over the rows that are no near tie; 4 near ties) < min_top1=0.95"]
