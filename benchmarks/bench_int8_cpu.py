@@ -7,6 +7,8 @@ torchvision's resnet18 with random weights and BatchNorm statistics measured on 
 dynamic batch, converted twice by the CLI: fp32, and int8 calibrated on ``--samples`` random images
 given with ``--calibration``. A third graph, the int8 bundle's fp32 reference quantized with int8
 *activations* (ONNX Runtime's S8S8) instead of deploykit's uint8 (U8S8), shows why uint8 was chosen.
+The peer route, last: the same weights through plain ``torch.onnx.export`` and ONNX Runtime's
+``quantize_static`` with its own choices (every op type it quantizes, U8S8), beside its fp32 graph.
 
 Each graph runs in a plain ``onnxruntime.InferenceSession`` (CPU provider, default options), one
 session at a time (see ``time_graphs``); at each batch size the graphs take turns in ``--rounds``
@@ -62,11 +64,10 @@ def convert(model: Path, out: Path, *args: str) -> dict:
     return report
 
 
-def quantize_s8s8(reference: Path, out: Path, samples: np.ndarray) -> Path:
-    """The int8 bundle's fp32 graph quantized as deploykit does, but with int8 activations."""
+def quantize(reference: Path, out: Path, samples: np.ndarray, activations: str, ops: list[str] | None) -> Path:
+    """``reference`` quantized by plain ONNX Runtime (QDQ, per-channel int8 weights, minmax), with
+    ``activations`` ("QInt8" or "QUInt8") and, where given, deploykit's op types only."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
-
-    from deploykit.conversion.quantize import QUANTIZED_OPS
 
     class Reader:
         def __init__(self):
@@ -77,9 +78,23 @@ def quantize_s8s8(reference: Path, out: Path, samples: np.ndarray) -> Path:
             return None if row is None else {"x": row}
 
     quantize_static(reference, out, Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
-                    activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
-                    calibrate_method=CalibrationMethod.MinMax, op_types_to_quantize=list(QUANTIZED_OPS))
+                    activation_type=getattr(QuantType, activations), weight_type=QuantType.QInt8,
+                    calibrate_method=CalibrationMethod.MinMax, op_types_to_quantize=ops)
     return out
+
+
+def plain_export(work: Path, image: int) -> Path:
+    """The peer route a user writes without deploykit: torch.onnx.export of the same model (no
+    deploykit passes; ONNX Runtime folds BatchNorm itself at load)."""
+    import torch
+    import torchvision
+
+    model = torchvision.models.resnet18()
+    model.load_state_dict(torch.load(work / "resnet18_weights.pt"))
+    path = work / "plain-fp32.onnx"
+    torch.onnx.export(model.eval(), (torch.randn(1, 3, image, image),), path, input_names=["x"],
+                      dynamic_axes={"x": {0: "batch"}}, dynamo=False)
+    return path
 
 
 def time_graphs(paths: dict[str, Path], batch: int, image: int, rounds: int, calls: int) -> dict[str, float]:
@@ -149,8 +164,15 @@ def main() -> None:
     fp32 = convert(model, args.work / "fp32")
     int8 = convert(model, args.work / "int8", "--precision", "int8", "--calibration", str(args.work / "calibration.npz"),
                    "--calibration-method", args.method)
+    from deploykit.conversion.quantize import QUANTIZED_OPS
+
+    plain = plain_export(args.work, args.image)
     paths = {"fp32": args.work / "fp32" / "model.onnx", "int8 (U8S8, deploykit)": args.work / "int8" / "model.onnx",
-             "int8 (S8S8)": quantize_s8s8(args.work / "int8" / "model.fp32.onnx", args.work / "s8s8.onnx", samples)}
+             "int8 (S8S8)": quantize(args.work / "int8" / "model.fp32.onnx", args.work / "s8s8.onnx", samples,
+                                     "QInt8", list(QUANTIZED_OPS)),
+             "plain export fp32": plain,
+             "plain export, quantize_static U8S8": quantize(plain, args.work / "plain-int8.onnx", samples, "QUInt8",
+                                                            None)}
     timings = {batch: time_graphs(paths, batch, args.image, args.rounds, args.calls)
                for batch in map(int, args.batches.split(","))}
     checked = accuracy(args.work / "resnet18_weights.pt", paths, args.image, args.check)
@@ -169,6 +191,7 @@ def main() -> None:
         print(f"{name} vs PyTorch fp32 on {args.check} images: top-1 {metrics['top1_agreement']:.3f}, "
               f"cosine {metrics['cosine']:.5f}")
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"timings_ms": timings, "accuracy": checked, "verdicts": {
             "fp32": fp32["verdict"], "int8": int8["verdict"]}, "args": {k: str(v) for k, v in vars(args).items()}},
             indent=1))
