@@ -141,7 +141,15 @@ class QuantizationStage:
     @classmethod
     def start(cls, optimized: onnx.ModelProto, calibration: Calibration, method: str) -> QuantizationStage:
         fp32 = name_nodes(optimized)  # the report names every node, quantized or float
-        model = quantize(fp32, calibration.batches, method)
+        try:
+            model = quantize(fp32, calibration.batches, method)
+        except Exception as error:
+            if calibration.random or not type(error).__module__.startswith("onnxruntime"):
+                raise  # our own random samples always run: a failure there is a bug
+            reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+            raise BadInputError(f"--calibration {calibration.source}: the model does not run on these samples "
+                                f"({reason}); check their values (token ids within the vocabulary, indices "
+                                "in range)") from None
         return cls(fp32, model, method, calibration, node_precisions(fp32, model))
 
     def inconclusive_reasons(self, output_names: list[str]) -> dict[str, str]:

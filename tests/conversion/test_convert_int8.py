@@ -159,6 +159,20 @@ def test_bad_calibration_file_is_one_line_exit_2(tmp_path, arrays, words):
     assert not (tmp_path / "bundle").exists()
 
 
+def test_calibration_samples_the_model_cannot_run_are_one_line_exit_2(tmp_path):
+    """Token ids beyond the vocabulary fail inside ONNX Runtime's calibration: the user's data, not a bug."""
+    torch.manual_seed(0)
+    torch.save(model_zoo.bert_tiny().state_dict(), tmp_path / "weights.pt")
+    ids = np.full((4, 16), 5000, np.int64)  # bert_tiny's vocabulary has 1000 tokens
+    np.savez(tmp_path / "calibration.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+    result = convert(tmp_path, "weights.pt", "--factory", "model_zoo:bert_tiny", "--input", "input_ids:1x16:int64",
+                     "--input", "attention_mask:1x16:int64", "--precision", "int8", "--calibration",
+                     "calibration.npz", "-o", "bundle")
+    assert_rejected(result, "--calibration", "the model does not run on these samples", "out of data bounds",
+                    "token ids within the vocabulary")
+    assert not (tmp_path / "bundle").exists()
+
+
 @pytest.mark.parametrize("args, words", [
     (["--precision", "int8", "--auto-fix"], ["--auto-fix is not supported with --precision int8 yet"]),
     (["--precision", "int8", "--backend", "tensorrt"], ["--backend tensorrt is not supported with --precision int8"]),
