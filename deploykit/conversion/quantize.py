@@ -27,7 +27,7 @@ from deploykit.bundle.format import REFERENCE_MODEL
 from deploykit.conversion.export import declare_oldest_ir_version
 from deploykit.conversion.options import ConvertOptions
 from deploykit.errors import BadInputError
-from deploykit.passes.precision import name_nodes
+from deploykit.passes.precision import NodePrecision, name_nodes
 from deploykit.specs import InputSpec
 from deploykit.validation.inputs import load_feeds, random_feeds
 
@@ -115,19 +115,6 @@ def _check_sample_counts(samples: dict[str, np.ndarray], path: Path) -> None:
                             "axis 0 counts samples and must be the same for every input")
 
 
-@dataclasses.dataclass(frozen=True)
-class NodeQuantization:
-    """A node of the quantized graph: int8 (it reads dequantized int8 tensors) or float, and why."""
-
-    node: str
-    op: str
-    precision: str  # int8 | float
-    reason: str | None = None
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-
 @dataclasses.dataclass
 class QuantizationStage:
     """``convert --precision int8``: the fp32 graph, its QDQ quantization and what it quantized."""
@@ -136,7 +123,7 @@ class QuantizationStage:
     model: onnx.ModelProto
     method: str
     calibration: Calibration
-    nodes: list[NodeQuantization]
+    nodes: list[NodePrecision]
 
     @classmethod
     def start(cls, optimized: onnx.ModelProto, calibration: Calibration, method: str) -> QuantizationStage:
@@ -225,7 +212,7 @@ def _foreign_nodes(model: onnx.ModelProto) -> list[str]:
     return [node.name for node in model.graph.node if node.domain not in _STANDARD_DOMAINS]
 
 
-def node_precisions(fp32: onnx.ModelProto, quantized: onnx.ModelProto) -> list[NodeQuantization]:
+def node_precisions(fp32: onnx.ModelProto, quantized: onnx.ModelProto) -> list[NodePrecision]:
     """Each node of the fp32 graph: int8 where it is an op type we quantize and the quantized graph
     feeds it dequantized int8 tensors (a Relu or Clip folded into its QuantizeLinear is gone: int8),
     else float with the reason; a float node may read a DequantizeLinear too."""
@@ -236,9 +223,9 @@ def node_precisions(fp32: onnx.ModelProto, quantized: onnx.ModelProto) -> list[N
         after = kept.get(node.name)
         reads_int8 = after is None or any(producers.get(name) == "DequantizeLinear" for name in after.input)
         if _quantizable(node) and reads_int8:
-            result.append(NodeQuantization(node.name, _label(node), "int8"))
+            result.append(NodePrecision(node.name, _label(node), "int8"))
         else:
-            result.append(NodeQuantization(node.name, _label(node), "float", _float_reason(node)))
+            result.append(NodePrecision(node.name, _label(node), "float", _float_reason(node)))
     return result
 
 

@@ -94,7 +94,8 @@ ONNX_TYPE_NAMES = {"fp16": "tensor(float16)", "bf16": "tensor(bfloat16)"}
 
 @dataclasses.dataclass(frozen=True)
 class NodePrecision:
-    """A node's precision and, for fp32 nodes, why."""
+    """A node's precision (fp16/bf16/fp32 here; int8/float in conversion/quantize.py) and, where it
+    stayed at full precision, why."""
 
     node: str
     op: str
