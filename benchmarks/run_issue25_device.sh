@@ -13,7 +13,8 @@
 # convert: run_issue13_device.sh's convert and tune steps (fp16, AOTInductor static packages at batch 1 and 32),
 #          in the background (setsid: it outlives the call) when BACKGROUND=1; wait for it with STEPS=wait.
 #          On a CPU: the small net converted here (no tuning).
-# serve:   deploykit serve --workers $WORKERS (default 8 on a GPU, 1 on a CPU) on $DEVICE; triton: tritonserver
+# serve:   deploykit serve --workers $WORKERS (HTTP processes; default 8 on a GPU, 1 on a CPU) --instances
+#          $INSTANCES (runners in the model process; default 2 on a GPU, 1 on a CPU) on $DEVICE; triton: tritonserver
 #          on the python export, $TRITON_INSTANCES instances (default 1).
 # GPU busy %: nvidia-smi's utilization sampled every 200 ms during each concurrency level (busy.txt beside it).
 # Results: $OUT/summary.md, and $OUT/results.tgz with every level's perf_analyzer CSV and log, busy samples,
@@ -26,9 +27,10 @@ export WORK=${WORK:-/tmp/dk-issue13} DEPLOYKIT_CACHE=${DEPLOYKIT_CACHE:-/tmp/dk-
 device=${DEVICE:-cuda:0}
 if [ "$device" = cpu ]; then
   models=${MODELS:-resnetv2_18} precision=fp32 max_batch=8 levels=${LEVELS:-1 8 32} workers=${WORKERS:-1}
+  instances=${INSTANCES:-1}
 else
   models=${MODELS:-resnet50 bert_base} precision=fp16 max_batch=32 levels=${LEVELS:-1 16 64 128 256}
-  workers=${WORKERS:-8}
+  workers=${WORKERS:-8} instances=${INSTANCES:-2}
 fi
 convert_models=${CONVERT_MODELS:-$models}  # converted side by side (CPU-bound): all of them in a first call
 steps=${STEPS:-setup convert serve triton}
@@ -126,7 +128,7 @@ wait_for() {  # LOG TEXT SECONDS PID: until LOG says TEXT; fails at once when th
 for model in $models; do
   bundle=$WORK/$model-$precision
   if has_step serve; then
-    python3 -m deploykit serve "$bundle" --device "$device" --workers "$workers" --max-batch $max_batch \
+    python3 -m deploykit serve "$bundle" --device "$device" --workers "$workers" --instances "$instances" --max-batch $max_batch \
       --no-access-log --port 18000 > "$OUT/serve-$model.log" 2>&1 &
     server=$!
     wait_for "$OUT/serve-$model.log" "serving at" 240 $server && sweep "serve-$model" "$model-$precision" 18000

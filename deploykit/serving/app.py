@@ -48,10 +48,14 @@ class Limits:
     token: str | None = None
 
 
-def create_app(models: list[ServedModel], limits: Limits, on_ready=None):
+def create_app(models: list[ServedModel], limits: Limits, on_ready=None, batcher_for=None):
     """The app (an ASGI callable); batchers start with it and, at shutdown, finish every queued request
-    before they stop; ``on_ready()`` once every runner is warm."""
+    before they stop; ``on_ready()`` once every runner is warm. ``batcher_for(model, metrics)``: where
+    a model's requests go (default: a Batcher over its runners in this process)."""
     metrics = Metrics()
+    if batcher_for is None:
+        def batcher_for(model, metrics):
+            return Batcher(model, limits.max_delay_ms / 1e3, limits.max_queue, metrics)
     served = {model.name: model for model in models}
     batchers: dict[str, Batcher] = {}
     state = {"ready": False}
@@ -59,7 +63,7 @@ def create_app(models: list[ServedModel], limits: Limits, on_ready=None):
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         for model in models:
-            batchers[model.name] = Batcher(model, limits.max_delay_ms / 1e3, limits.max_queue, metrics)
+            batchers[model.name] = batcher_for(model, metrics)
 
         async def ready_once_warm():  # requests are queued meanwhile; only readiness waits
             await asyncio.gather(*(asyncio.to_thread(b.wait_warm) for b in batchers.values()))

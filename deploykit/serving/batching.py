@@ -28,6 +28,7 @@ from deploykit.backends.base.feeds import random_inputs
 from deploykit.errors import BadInputError
 from deploykit.serving.models import ServedModel
 from deploykit.serving.protocol import RequestError
+from deploykit.serving.staging import PinnedStaging
 
 log = logging.getLogger("deploykit.serve")
 
@@ -109,9 +110,10 @@ class Batcher:
             self._warm_up(runner)
         finally:
             warm.set()
+        staging = PinnedStaging.for_runner(runner) if self.model.batching else None
         while (batch := self._take()) is not None:
             if batch:
-                self._run(runner, batch)
+                self._run(runner, batch, staging)
 
     def _warm_up(self, runner) -> None:
         model = self.model
@@ -157,11 +159,11 @@ class Batcher:
     def _padded(self, rows: int) -> bool:
         return _bucket(self.model.buckets, rows) != rows
 
-    def _run(self, runner, batch: list[Pending]) -> None:
+    def _run(self, runner, batch: list[Pending], staging: PinnedStaging | None) -> None:
         started = time.perf_counter()
         rows = [p.rows for p in batch]
         try:
-            results = run_rows(self.model, runner, [p.inputs for p in batch], rows)
+            results = run_rows(self.model, runner, [p.inputs for p in batch], rows, staging)
         except Exception as error:  # noqa: BLE001 - every waiting request gets an answer
             failure = as_request_error(error, self.model.name)
             for pending in batch:
@@ -173,15 +175,18 @@ class Batcher:
             pending.future.set_result(result)
 
 
-def run_rows(model: ServedModel, runner, requests: list[dict[str, np.ndarray]], rows: list[int]) -> list[dict]:
+def run_rows(model: ServedModel, runner, requests: list[dict[str, np.ndarray]], rows: list[int],
+             staging: PinnedStaging | None = None) -> list[dict]:
     """Several checked requests (``ServedModel.check`` gave their rows) in one run of ``runner``:
-    their rows concatenated in order and padded up to the bucket, the outputs split back by request.
-    ``deploykit serve``'s batcher and the Triton python model both run batches through here."""
-    outputs = runner.run(_batch_feeds(model, requests, sum(rows)))
+    their rows concatenated in order (in ``staging``'s buffers when given) and padded up to the
+    bucket, the outputs split back by request. ``deploykit serve``'s batcher and the Triton python
+    model both run batches through here."""
+    outputs = runner.run(_batch_feeds(model, requests, sum(rows), staging))
     return _split(model, outputs, rows)
 
 
-def _batch_feeds(model: ServedModel, requests: list[dict[str, np.ndarray]], rows: int) -> dict[str, np.ndarray]:
+def _batch_feeds(model: ServedModel, requests: list[dict[str, np.ndarray]], rows: int,
+                 staging: PinnedStaging | None) -> dict[str, np.ndarray]:
     """One feed per input: the requests' rows in order, zero rows padded up to the bucket."""
     if not model.batching:
         return requests[0]
@@ -189,6 +194,9 @@ def _batch_feeds(model: ServedModel, requests: list[dict[str, np.ndarray]], rows
     feeds = {}
     for spec in model.inputs:
         parts = [inputs[spec["name"]] for inputs in requests]
+        if staging is not None:
+            feeds[spec["name"]] = staging.assemble(spec["name"], parts, rows, size)
+            continue
         if size > rows:
             parts.append(np.zeros((size - rows, *parts[0].shape[1:]), parts[0].dtype))
         feeds[spec["name"]] = parts[0] if len(parts) == 1 else np.concatenate(parts)

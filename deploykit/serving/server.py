@@ -43,16 +43,17 @@ def configure_logging(access_log: bool) -> None:
 
 
 def serve(models, limits, host: str = "127.0.0.1", port: int = 8000, *, access_log: bool = True,
-          on_started=None, on_ready=None, sockets=None) -> None:
+          on_started=None, on_ready=None, sockets=None, batcher_for=None) -> None:
     """Serve ``models`` until SIGTERM or SIGINT; every accepted request is answered before it returns.
     ``on_started(url)`` once it listens, ``on_ready()`` once every runner is warm; ``sockets``: listen on
-    these instead of host:port (a worker of ``serve --workers``)."""
+    these instead of host:port, ``batcher_for``: send requests to the model process (a worker of
+    ``serve --workers``)."""
     import uvicorn
 
     from deploykit.serving.app import create_app
 
     configure_logging(access_log)
-    app = create_app(models, limits, on_ready)
+    app = create_app(models, limits, on_ready, batcher_for)
     config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="on",
                             timeout_graceful_shutdown=max(limits.timeout_s, 1.0) + 5, server_header=False)
     server = uvicorn.Server(config)

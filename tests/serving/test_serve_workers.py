@@ -1,8 +1,8 @@
-"""``deploykit serve --workers N``: N server processes on one port, each with its own runners.
+"""``deploykit serve --workers N``: N HTTP processes on one port in front of one model process.
 
 A client sees one server: every answer equals ``deploykit.load``'s, ``/metrics`` counts the
-requests of every worker, SIGTERM stops them all gracefully (exit 0), and a worker that cannot
-load a bundle stops the server with its one-line error and exit code.
+requests of every worker and the model process's batches, SIGTERM stops them all gracefully
+(exit 0), and a bundle that cannot be loaded stops the server with its one-line error and exit code.
 """
 
 from __future__ import annotations
@@ -63,18 +63,20 @@ def test_two_workers_answer_as_one_server_and_stop_together(bundle):
             np.testing.assert_array_equal(answer, wanted)
         counted = metric_samples(server, "deploykit_requests", model=MODEL, status="200")
         assert counted["deploykit_requests_total"] == len(requests)  # both workers' counts, summed
+        rows = metric_samples(server, "deploykit_batch_size", model=MODEL)  # the model process's runs
+        assert rows["deploykit_batch_size_sum"] == sum(len(x) for x in requests)
         assert server.stop() == 0
         log = server.output()
     assert log.count("Finished server process") == 2 and "Traceback" not in log
 
 
-def test_a_worker_that_cannot_load_stops_the_server_with_its_error(bundle):
+def test_a_bundle_that_cannot_be_loaded_stops_the_server_with_its_error(bundle):
     result = subprocess.run([sys.executable, "-m", "deploykit", "serve", bundle, "--device", "cpu", "--workers", "2",
                              "--max-batch", "99", "--port", "0"], env=cli_env(), capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors and all("--max-batch 99 is outside tabular's batch range 1..4" in line for line in errors)
+    assert len(errors) == 1 and all("--max-batch 99 is outside tabular's batch range 1..4" in line for line in errors)
     assert "Traceback" not in result.stderr
 
 

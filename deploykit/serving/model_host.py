@@ -1,0 +1,341 @@
+"""``deploykit serve --workers N``: N HTTP processes in front of one model process.
+
+One Python process cannot parse requests as fast as a GPU answers them (a 224x224 fp32 image is
+600 KB of body to read, decode and check). Running N whole servers, each with its own runners,
+splits the traffic into N small batches padded up to the bucket, loads every bundle N times and
+makes the GPU take turns between N CUDA contexts. Here the N workers only speak HTTP: each parses
+and checks a request, writes its tensors into a buffer in shared memory and sends a few bytes to
+the model process over its pipe; the model process holds the runners and the batchers (the same
+``Batcher`` as a one-process server), batches requests from every worker together, and answers
+each worker over its pipe.
+
+Shared memory is files in one folder on a RAM disk (``/dev/shm``), one per request buffer, reused
+across requests so that their pages are faulted in once. A buffer is allocated up front
+(``posix_fallocate``): where the RAM disk is full, the request's tensors travel through the pipe
+instead, never as a crash on a page that cannot be backed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import logging
+import mmap
+import os
+import signal
+import sys
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+
+from deploykit.serving.protocol import RequestError
+
+log = logging.getLogger("deploykit.serve")
+#: Alignment of each tensor in a request buffer: our kernels refuse misaligned pointers.
+ALIGN = 64
+
+
+@dataclasses.dataclass
+class RunnerFacts:
+    """What an HTTP worker knows of a runner in the model process: enough to check requests
+    against the manifest and to describe the model (metadata, config, the console's summary)."""
+
+    backend: str
+    device: str
+    inputs: list[dict]
+    outputs: list[dict]
+    notes: list[str]
+
+    def close(self) -> None:
+        """Nothing to release: the runner lives in the model process."""
+
+
+def model_view(model):
+    """A ServedModel as the HTTP workers hold it: the same batching facts, its runners as facts."""
+    facts = [RunnerFacts(r.backend, r.device, r.inputs, r.outputs, list(r.notes)) for r in model.runners]
+    return dataclasses.replace(model, runners=facts)
+
+
+# The worker's side ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Buffer:
+    path: str
+    size: int
+    memory: mmap.mmap
+
+
+class SharedBuffers:
+    """One worker's request buffers: files in ``folder`` that it writes tensors into and the model
+    process maps. A free buffer is reused for the next request it fits; more than ``keep`` bytes of
+    free buffers are given back (``forget(path)`` tells the model process to drop its mapping)."""
+
+    smallest = 1 << 20
+
+    def __init__(self, folder: Path | None, prefix: str, forget, keep: int = 64 << 20):
+        self.folder, self.prefix, self.forget, self.keep = folder, prefix, forget, keep
+        self._free: list[Buffer] = []
+        self._lock = threading.Lock()
+        self._names = itertools.count()
+        self._full_noted = False
+
+    def put(self, inputs: dict[str, np.ndarray]) -> tuple[Buffer | None, tuple]:
+        """The tensors written into a buffer, and how the model process finds them: ``("shm", path,
+        [(name, dtype, shape, offset)])``, or ``("inline", inputs)`` where no buffer can be had."""
+        layout, end = [], 0
+        for name, array in inputs.items():
+            if array.dtype.hasobject:
+                return None, ("inline", inputs)
+            layout.append((name, array.dtype, array.shape, end))
+            end += -(-array.nbytes // ALIGN) * ALIGN
+        buffer = self._take(max(end, 1))
+        if buffer is None:
+            return None, ("inline", inputs)
+        for (name, dtype, shape, offset) in layout:
+            np.copyto(np.ndarray(shape, dtype, buffer=buffer.memory, offset=offset), inputs[name])
+        return buffer, ("shm", buffer.path, layout)
+
+    def release(self, buffer: Buffer | None) -> None:
+        """A buffer whose request was answered (the model process no longer reads it)."""
+        if buffer is None:
+            return
+        with self._lock:
+            self._free.append(buffer)
+            if sum(b.size for b in self._free) <= self.keep:
+                return
+            self._free.remove(buffer)
+        self.forget(buffer.path)
+        buffer.memory.close()
+        with contextlib.suppress(OSError):
+            os.unlink(buffer.path)
+
+    def close(self) -> None:
+        with self._lock:
+            for buffer in self._free:
+                buffer.memory.close()
+                with contextlib.suppress(OSError):
+                    os.unlink(buffer.path)
+            self._free.clear()
+
+    def _take(self, size: int) -> Buffer | None:
+        with self._lock:
+            fitting = [b for b in self._free if b.size >= size]
+            if fitting:
+                chosen = min(fitting, key=lambda b: b.size)
+                self._free.remove(chosen)
+                return chosen
+        return self._create(max(self.smallest, 1 << (size - 1).bit_length()))
+
+    def _create(self, size: int) -> Buffer | None:
+        if self.folder is None:
+            return None
+        path = str(self.folder / f"{self.prefix}-{next(self._names)}")
+        try:
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as error:
+            return self._no_buffer(path, error, None)
+        try:
+            os.posix_fallocate(descriptor, 0, size)  # fails now (ENOSPC) rather than SIGBUS on a later write
+            return Buffer(path, size, mmap.mmap(descriptor, size))
+        except OSError as error:
+            return self._no_buffer(path, error, descriptor)
+        finally:
+            os.close(descriptor)
+
+    def _no_buffer(self, path: str, error: OSError, descriptor: int | None) -> None:
+        if descriptor is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if not self._full_noted:
+            self._full_noted = True
+            log.warning("no shared memory for a request buffer in %s (%s): requests go through the pipe to the "
+                        "model process, which is slower; give the RAM disk more room", self.folder,
+                        error.strerror or error)
+        return None
+
+
+class HostLink:
+    """A worker's end of its pipe to the model process: requests out, answers in (on a thread of its own)."""
+
+    def __init__(self, connection, buffers_folder: Path | None, prefix: str):
+        self.connection = connection
+        self.buffers = SharedBuffers(buffers_folder, prefix, forget=lambda path: self._send(("forget", path)))
+        self._send_lock = threading.Lock()
+        self._pending: dict[int, tuple[Future, Buffer | None]] = {}
+        self._ids = itertools.count()
+        self._gone: str | None = None
+        self._answers = threading.Thread(target=self._receive, name="model-process-answers", daemon=True)
+        self._answers.start()
+
+    def batcher(self, model, _metrics) -> RemoteBatcher:
+        """The app's batcher of ``model`` (``create_app``'s ``batcher_for``)."""
+        return RemoteBatcher(self, model.name)
+
+    def submit(self, model: str, inputs: dict[str, np.ndarray], rows: int) -> Future:
+        future: Future = Future()
+        buffer, tensors = self.buffers.put(inputs)
+        request = next(self._ids)
+        with self._send_lock:
+            if self._gone is None:
+                self._pending[request] = (future, buffer)
+                self.connection.send(("infer", request, model, tensors, rows))
+                return future
+        self.buffers.release(buffer)
+        raise RequestError(503, self._gone, "model_process", {"Retry-After": "1"})
+
+    def _send(self, message) -> None:
+        with self._send_lock:
+            if self._gone is None:
+                self.connection.send(message)
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                request, answer = self.connection.recv()
+            except (EOFError, OSError):
+                break
+            with self._send_lock:
+                future, buffer = self._pending.pop(request)
+            self.buffers.release(buffer)
+            _settle(future, answer)
+        with self._send_lock:
+            self._gone = "the model process has stopped: the server is shutting down or failed (see its log)"
+            pending, self._pending = self._pending, {}
+        for future, _buffer in pending.values():
+            _settle(future, _as_answer(RequestError(503, self._gone, "model_process", {"Retry-After": "1"})))
+
+    def close(self) -> None:
+        self.buffers.close()
+
+
+class RemoteBatcher:
+    """The app's batcher of one model in an HTTP worker: requests go to the model process's batcher."""
+
+    def __init__(self, link: HostLink, name: str):
+        self.link, self.name = link, name
+
+    def submit(self, inputs: dict[str, np.ndarray], rows: int) -> Future:
+        return self.link.submit(self.name, inputs, rows)
+
+    def arriving(self):
+        """The model process does not see requests still being read: it waits only while its rows
+        would be padded (``Batcher._take``)."""
+        return contextlib.nullcontext()
+
+    def wait_warm(self) -> None:
+        """The model process sends the models only once every runner is warm."""
+
+    def close(self) -> None:
+        """The model process finishes what it queued once every worker has gone."""
+
+
+def _settle(future: Future, answer) -> None:
+    if not future.set_running_or_notify_cancel():  # the request timed out meanwhile
+        return
+    if isinstance(answer, tuple):
+        future.set_exception(RequestError(*answer))
+    else:
+        future.set_result(answer)
+
+
+def _as_answer(error: Exception) -> tuple:
+    """A RequestError as the fields it is made of (an exception with such arguments does not pickle)."""
+    if not isinstance(error, RequestError):
+        error = RequestError(500, f"internal error: {type(error).__name__}", "internal")
+    return error.status, str(error), error.reason, error.headers
+
+
+# The model process's side --------------------------------------------------------------------------
+
+
+def serve_worker(connection, batchers: dict) -> None:
+    """Answer one worker's requests until it closes its pipe; each runs in its model's batcher."""
+    mapped: dict[str, mmap.mmap] = {}
+    send_lock = threading.Lock()
+    answer = functools.partial(_answer, connection, send_lock)
+    while True:
+        try:
+            message = connection.recv()
+        except (EOFError, OSError):
+            return
+        if message[0] == "forget":
+            mapped.pop(message[1], None)  # unmapped once the last array viewing it is gone
+            continue
+        _, request, name, tensors, rows = message
+        try:
+            future = batchers[name].submit(_arrays(tensors, mapped), rows)
+        except RequestError as error:
+            answer(request, _as_answer(error))
+            continue
+        future.add_done_callback(lambda done, request=request: answer(request, _result(done)))
+
+
+def _arrays(tensors: tuple, mapped: dict[str, mmap.mmap]) -> dict[str, np.ndarray]:
+    kind, *where = tensors
+    if kind == "inline":
+        return where[0]
+    path, layout = where
+    memory = mapped.get(path)
+    if memory is None:
+        with open(path, "r+b") as file:
+            memory = mapped[path] = mmap.mmap(file.fileno(), 0)
+    return {name: np.ndarray(shape, dtype, buffer=memory, offset=offset) for name, dtype, shape, offset in layout}
+
+
+def _result(future: Future):
+    error = future.exception()
+    return _as_answer(error) if error is not None else future.result()
+
+
+def _answer(connection, send_lock: threading.Lock, request: int, answer) -> None:
+    try:
+        with send_lock:
+            connection.send((request, answer))
+    except OSError:  # the worker has gone: nobody waits for this answer
+        pass
+
+
+def run_model_process(paths, options, limits, connections, events) -> None:
+    """The model process: load every bundle once, warm the runners up, send the workers the models,
+    then answer their requests until every worker has closed its pipe (or SIGTERM), finishing what
+    is queued. SIGINT is left to the workers (Ctrl-C reaches them all): they stop first, then this."""
+    from deploykit.errors import DeployKitError
+    from deploykit.serving.batching import Batcher
+    from deploykit.serving.metrics import Metrics
+    from deploykit.serving.models import load_models
+    from deploykit.serving.server import configure_logging, model_summary
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    configure_logging(access_log=False)
+    try:
+        models = load_models(paths, options)
+    except DeployKitError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        events.put(("models", error.exit_code, None))
+        sys.exit(error.exit_code)
+    metrics = Metrics()
+    batchers = {model.name: Batcher(model, limits.max_delay_ms / 1e3, limits.max_queue, metrics) for model in models}
+    for batcher in batchers.values():
+        batcher.wait_warm()
+    views = [model_view(model) for model in models]
+    answering = []
+    for connection in connections:
+        connection.send(views)
+        answering.append(threading.Thread(target=serve_worker, args=(connection, batchers), daemon=True))
+        answering[-1].start()
+    events.put(("models", None, [(model.name, model.notes, model_summary(model)) for model in models]))
+    while not stopping.is_set() and any(thread.is_alive() for thread in answering):
+        stopping.wait(0.2)
+    for batcher in batchers.values():
+        batcher.close()
+    for model in models:
+        for runner in model.runners:
+            runner.close()
+

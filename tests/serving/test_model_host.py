@@ -1,0 +1,186 @@
+"""``serve --workers``' two sides in one process, over a real pipe: a worker's requests written into
+shared memory reach the model process's batcher and come back exactly; buffers are reused, given
+back past their budget, and replaced by the pipe where the RAM disk is full; refusals keep their
+status; a model process that goes away answers every waiting request with 503. And the page-locked
+staging a GPU runner's batches are assembled in.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import multiprocessing
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("prometheus_client")
+
+from deploykit.errors import BadInputError  # noqa: E402
+from deploykit.serving.batching import Batcher  # noqa: E402
+from deploykit.serving.metrics import Metrics  # noqa: E402
+from deploykit.serving.model_host import ALIGN, HostLink, SharedBuffers, model_view, serve_worker  # noqa: E402
+from deploykit.serving.models import ServedModel  # noqa: E402
+from deploykit.serving.protocol import RequestError  # noqa: E402
+from deploykit.serving.staging import PinnedStaging  # noqa: E402
+
+
+class Doubler:
+    """Doubles its inputs and records each run's rows; a first row starting with -1 is bad input, 13 a failure."""
+
+    backend, device, notes = "onnxruntime", "cpu", ["a note"]
+    inputs = [{"name": "x", "dtype": "float32", "shape": ["batch", 3], "dynamic": {"0": {"min": 1, "opt": 2, "max": 8}}},
+              {"name": "ids", "dtype": "int64", "shape": ["batch"], "dynamic": {"0": {"min": 1, "opt": 2, "max": 8}}}]
+    outputs = [{"name": "y", "dtype": "float32", "shape": ["batch", 3]}, {"name": "ids2", "dtype": "int64", "shape": ["batch"]}]
+
+    def __init__(self):
+        self.batches = []
+
+    def run(self, feeds):
+        self.batches.append(len(feeds["x"]))
+        if feeds["x"][0, 0] == -1:
+            raise BadInputError("x[0, 0] is -1")
+        if feeds["x"][0, 0] == 13:
+            raise RuntimeError("no kernel for 13")
+        return {"y": feeds["x"] * 2, "ids2": feeds["ids"] * 2}
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def host(tmp_path):
+    """A model process's side (a batcher over Doubler, answering on a thread) and a worker's link to it."""
+    runner = Doubler()
+    model = ServedModel("double", Path("double"), [runner], ["cpu"], max_batch=8, buckets=[], allow_nan=False)
+    batcher = Batcher(model, max_delay_s=0, max_queue=4, metrics=Metrics())
+    ours, theirs = multiprocessing.Pipe()
+    answering = threading.Thread(target=serve_worker, args=(ours, {"double": batcher}), daemon=True)
+    answering.start()
+    link = HostLink(theirs, tmp_path, "w0")
+    yield link, runner, ours
+    link.close()
+    ours.close()
+    batcher.close()
+
+
+def request(rows: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((rows, 3)).astype(np.float32), "ids": rng.integers(0, 1000, rows)}
+
+
+def test_requests_travel_through_shared_memory_and_come_back_exactly(host, tmp_path):
+    link, runner, _ = host
+    sent = [request(1 + i % 3, i) for i in range(12)]
+    answers = [link.submit("double", inputs, len(inputs["x"])).result(timeout=10) for inputs in sent]
+    for inputs, answer in zip(sent, answers):
+        np.testing.assert_array_equal(answer["y"], inputs["x"] * 2)
+        np.testing.assert_array_equal(answer["ids2"], inputs["ids"] * 2)
+    assert sum(runner.batches) == sum(len(inputs["x"]) for inputs in sent)
+    assert len(list(tmp_path.iterdir())) == 1  # one at a time: one buffer, reused
+
+
+def test_tensors_sit_at_aligned_offsets_and_a_larger_request_gets_a_larger_buffer(tmp_path):
+    buffers = SharedBuffers(tmp_path, "w", forget=lambda path: None)
+    small, tensors = buffers.put({"a": np.ones(3, np.uint8), "b": np.arange(5.0)})
+    kind, path, layout = tensors
+    assert kind == "shm" and [offset for *_, offset in layout] == [0, ALIGN] and small.size == SharedBuffers.smallest
+    large, _ = buffers.put({"a": np.zeros(3 << 20, np.uint8)})
+    assert large.size == 4 << 20 and large.path != path
+    buffers.release(small)
+    again, _ = buffers.put({"a": np.ones(7, np.uint8)})
+    assert again is small  # the free buffer that fits is reused
+    buffers.close()
+
+
+def test_free_buffers_past_the_budget_are_given_back_and_forgotten(tmp_path):
+    forgotten = []
+    buffers = SharedBuffers(tmp_path, "w", forget=forgotten.append, keep=SharedBuffers.smallest)
+    first, _ = buffers.put({"a": np.ones(10, np.uint8)})
+    second, _ = buffers.put({"a": np.ones(10, np.uint8)})
+    buffers.release(first)
+    buffers.release(second)  # two free buffers exceed the budget of one: the second is given back
+    assert forgotten == [second.path] and not os.path.exists(second.path) and os.path.exists(first.path)
+    buffers.close()
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_full_ram_disk_sends_tensors_through_the_pipe_and_says_so_once(host, monkeypatch, caplog, tmp_path):
+    link, _, _ = host
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with caplog.at_level(logging.WARNING, "deploykit.serve"):
+        for seed in range(3):
+            inputs = request(2, seed)
+            np.testing.assert_array_equal(link.submit("double", inputs, 2).result(timeout=10)["y"], inputs["x"] * 2)
+    assert caplog.text.count("no shared memory for a request buffer") == 1 and "No space left" in caplog.text
+    assert not list(tmp_path.iterdir())  # nothing half-made is left
+
+
+def test_refusals_keep_their_status_and_reason(host):
+    link, _, _ = host
+    for first, status, reason in ((-1, 400, "bad_request"), (13, 500, "model_failed")):
+        inputs = {"x": np.full((2, 3), first, np.float32), "ids": np.ones(2, np.int64)}
+        with pytest.raises(RequestError) as refused:
+            link.submit("double", inputs, 2).result(timeout=10)
+        assert (refused.value.status, refused.value.reason) == (status, reason)
+    inputs = request(1, 0)  # the link still works afterwards
+    np.testing.assert_array_equal(link.submit("double", inputs, 1).result(timeout=10)["y"], inputs["x"] * 2)
+
+
+def test_a_model_process_that_goes_away_answers_503(tmp_path):
+    ours, theirs = multiprocessing.Pipe()
+    link = HostLink(theirs, tmp_path, "w0")
+    waiting = link.submit("double", request(1, 0), 1)  # nobody answers it
+    ours.close()
+    with pytest.raises(RequestError) as refused:
+        waiting.result(timeout=10)
+    assert refused.value.status == 503 and "model process has stopped" in str(refused.value)
+    with pytest.raises(RequestError) as later:
+        link.submit("double", request(1, 1), 1)
+    assert later.value.status == 503 and later.value.headers == {"Retry-After": "1"}
+    link.close()
+
+
+def test_workers_hold_the_models_as_facts_without_runners():
+    runner = Doubler()
+    model = ServedModel("double", Path("double"), [runner], ["cpu"], max_batch=8, buckets=[2, 8], allow_nan=False)
+    view = model_view(model)
+    assert view.runners[0] is not runner and view.inputs == runner.inputs and view.outputs == runner.outputs
+    assert view.metadata() == model.metadata() and view.notes == ["a note"] and view.buckets == [2, 8]
+    assert view.check({"x": np.ones((3, 3), np.float32), "ids": np.ones(3, np.int64)}) == 3
+
+
+class UnpinnedTorch:
+    """torch's zeros without page-locking (no GPU here): PinnedStaging's bookkeeping is what is tested."""
+
+    def __init__(self):
+        import torch
+
+        self.torch, self.uint8 = torch, torch.uint8
+
+    def zeros(self, size, dtype, pin_memory):
+        assert pin_memory
+        return self.torch.zeros(size, dtype=dtype)
+
+
+def test_staging_pads_with_zero_rows_even_where_an_earlier_batch_wrote():
+    pytest.importorskip("torch")
+    staging = PinnedStaging(UnpinnedTorch())
+    parts = [np.full((3, 2), 5, np.float32), np.full((2, 2), 7, np.float32)]
+    full = staging.assemble("x", parts, 5, 8)
+    np.testing.assert_array_equal(full, np.concatenate([*parts, np.zeros((3, 2), np.float32)]))
+    buffer = full.base
+    smaller = staging.assemble("x", [np.full((1, 2), 9, np.float32)], 1, 8)
+    np.testing.assert_array_equal(smaller, np.concatenate([np.full((1, 2), 9), np.zeros((7, 2))]))
+    assert smaller.base is buffer  # one buffer, reused
+    bigger = staging.assemble("x", [np.ones((12, 2), np.float32)], 12, 16)
+    np.testing.assert_array_equal(bigger, np.ones((16, 2)) * (np.arange(16) < 12)[:, None])
+    other_shape = staging.assemble("x", [np.ones((2, 3), np.float32)], 2, 4)
+    assert other_shape.shape == (4, 3) and not other_shape[2:].any()
