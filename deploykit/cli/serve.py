@@ -25,8 +25,9 @@ from deploykit.cli._printing import print_notes
 @click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
               help="Runners per model, each with its own worker thread.")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Server processes on the one port, each loading every bundle (N times its memory): on a GPU, "
-                   "where one process cannot parse requests as fast as the GPU answers them.")
+              help="HTTP processes on the one port, in front of one process that holds the models and batches "
+                   "every worker's requests together: on a GPU, where one process cannot parse requests as fast as "
+                   "the GPU answers them.")
 @click.option("--max-batch", type=click.IntRange(min=1), help="Rows per run (default: the bundle's maximum batch).")
 @click.option("--max-delay-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
               help="How long the oldest queued request waits for others to join its batch.")
