@@ -15,7 +15,7 @@
 #          On a CPU: the small net converted here (no tuning).
 # serve:   deploykit serve --workers $WORKERS (HTTP processes; default 8 on a GPU, 1 on a CPU) --instances
 #          $INSTANCES (runners in the model process; default 2 on a GPU, 1 on a CPU) on $DEVICE; triton: tritonserver
-#          on the python export, $TRITON_INSTANCES instances (default 1).
+#          on the python export, $TRITON_INSTANCES instances (default 1). $SERVE_ARGS: more options for serve.
 # GPU busy %: nvidia-smi's utilization sampled every 200 ms during each concurrency level (busy.txt beside it).
 # Results: $OUT/summary.md, and $OUT/results.tgz with every level's perf_analyzer CSV and log, busy samples,
 # and the servers' logs.
@@ -128,7 +128,7 @@ wait_for() {  # LOG TEXT SECONDS PID: until LOG says TEXT; fails at once when th
 for model in $models; do
   bundle=$WORK/$model-$precision
   if has_step serve; then
-    python3 -m deploykit serve "$bundle" --device "$device" --workers "$workers" --instances "$instances" --max-batch $max_batch \
+    python3 -m deploykit serve "$bundle" --device "$device" --workers "$workers" --instances "$instances" --max-batch $max_batch ${SERVE_ARGS:-} \
       --no-access-log --port 18000 > "$OUT/serve-$model.log" 2>&1 &
     server=$!
     wait_for "$OUT/serve-$model.log" "serving at" 240 $server && sweep "serve-$model" "$model-$precision" 18000

@@ -28,6 +28,9 @@ from deploykit.cli._printing import print_notes
               help="HTTP processes on the one port, in front of one process that holds the models and batches "
                    "every worker's requests together: on a GPU, where one process cannot parse requests as fast as "
                    "the GPU answers them.")
+@click.option("--threads", type=click.IntRange(min=1),
+              help="ONNX Runtime's threads per instance (default: every core). On a CPU, --instances 2 --threads 1 "
+                   "lets one batch compute while the next one forms.")
 @click.option("--max-batch", type=click.IntRange(min=1), help="Rows per run (default: the bundle's maximum batch).")
 @click.option("--max-delay-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
               help="How long the oldest queued request waits for others to join its batch.")
@@ -49,9 +52,9 @@ from deploykit.cli._printing import print_notes
 @allow_failed_option("Serve a bundle whose validation failed.")
 @trust_bundle_option
 @verbose_option()
-def serve(bundles, host, port, backend, devices, instances, workers, max_batch, max_delay_ms, buckets, max_queue,
-          max_request_mb, timeout_s, token_file, allow_nan, warmup_runs, no_access_log, allow_failed, trust_bundle,
-          verbose):
+def serve(bundles, host, port, backend, devices, instances, workers, threads, max_batch, max_delay_ms, buckets,
+          max_queue, max_request_mb, timeout_s, token_file, allow_nan, warmup_runs, no_access_log, allow_failed,
+          trust_bundle, verbose):
     """Serve BUNDLES over HTTP with the KServe v2 / Open Inference Protocol and dynamic batching.
 
     Each model is named after its bundle's folder. SIGTERM or Ctrl-C stops accepting requests,
@@ -67,7 +70,8 @@ def serve(bundles, host, port, backend, devices, instances, workers, max_batch, 
         token = _read_token(token_file) if token_file else None
         options = ServeOptions(backend=backend, devices=tuple(devices) or ("auto",), instances=instances,
                                max_batch=max_batch, buckets=buckets, allow_nan=allow_nan,
-                               trust_native=trust_bundle, allow_failed=allow_failed, warmup_runs=warmup_runs)
+                               trust_native=trust_bundle, allow_failed=allow_failed, warmup_runs=warmup_runs,
+                               threads=threads)
         limits = Limits(max_request_bytes=int(max_request_mb * (1 << 20)), max_queue=max_queue, timeout_s=timeout_s,
                         max_delay_ms=max_delay_ms, token=token)
         if workers > 1:

@@ -30,6 +30,7 @@ class ServeOptions:
     trust_native: bool = False
     allow_failed: bool = False
     warmup_runs: int = 3  # per instance and warm-up batch size, before the server says ready
+    threads: int | None = None  # ONNX Runtime's intra-op threads per instance (None: its default, every core)
 
 
 @dataclasses.dataclass
@@ -128,8 +129,9 @@ def load_model(bundle: Bundle, name: str, placements: list[str], options: ServeO
     from deploykit.runtime import load
 
     path = bundle.path
+    threads = {"threads": options.threads} if options.threads else {}
     runners = [load(bundle, options.backend, place, allow_failed=options.allow_failed,
-                    trust_native=options.trust_native) for place in placements]
+                    trust_native=options.trust_native, **threads) for place in placements]
     dynamic = batch_range(runners[0].inputs, runners[0].outputs)
     if dynamic is None:
         return ServedModel(name, path, runners, placements, 1, [], options.allow_nan, [None], options.warmup_runs)

@@ -150,6 +150,12 @@ class GatedRunner:
         return {"y": feeds["x"] * 2}
 
 
+def test_threads_set_each_instances_onnx_runtime_threads():
+    model = served(instances=2, threads=1)
+    assert [r.session.get_session_options().intra_op_num_threads for r in model.runners] == [1, 1]
+    assert served().runner.session.get_session_options().intra_op_num_threads == 0  # ONNX Runtime's default
+
+
 def test_a_model_names_what_every_instance_noted_once():
     """Instances on other devices may note other things (an engine one GPU cannot run): serve prints them all."""
     runners = [SimpleNamespace(notes=["swapped library", "engine not used on cuda:0"]),
