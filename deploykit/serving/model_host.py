@@ -9,6 +9,11 @@ the model process over its pipe; the model process holds the runners and the bat
 ``Batcher`` as a one-process server), batches requests from every worker together, and answers
 each worker over its pipe.
 
+In the model process one thread reads every worker's pipe and one sends the answers: the batchers
+never wait on a pipe, and the answers a batch settles for one worker travel as one message. An
+answer's tensors larger than ``INLINE_BYTES`` are written into the request's own buffer (its inputs
+are spent once the batch ran) rather than pickled through the pipe: a BERT answer is hundreds of KB.
+
 Shared memory is files in one folder on a RAM disk (``/dev/shm``), one per request buffer, reused
 across requests so that their pages are faulted in once. A buffer is allocated up front
 (``posix_fallocate``): where the RAM disk is full, the request's tensors travel through the pipe
@@ -19,10 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 import logging
 import mmap
+import multiprocessing.connection
 import os
 import signal
 import sys
@@ -37,6 +42,8 @@ from deploykit.serving.protocol import RequestError
 log = logging.getLogger("deploykit.serve")
 #: Alignment of each tensor in a request buffer: our kernels refuse misaligned pointers.
 ALIGN = 64
+#: An answer's tensors up to this size go through the pipe; larger ones into the request's buffer.
+INLINE_BYTES = 64 << 10
 
 
 @dataclasses.dataclass
@@ -87,17 +94,13 @@ class SharedBuffers:
     def put(self, inputs: dict[str, np.ndarray]) -> tuple[Buffer | None, tuple]:
         """The tensors written into a buffer, and how the model process finds them: ``("shm", path,
         [(name, dtype, shape, offset)])``, or ``("inline", inputs)`` where no buffer can be had."""
-        layout, end = [], 0
-        for name, array in inputs.items():
-            if array.dtype.hasobject:
-                return None, ("inline", inputs)
-            layout.append((name, array.dtype, array.shape, end))
-            end += -(-array.nbytes // ALIGN) * ALIGN
+        if any(array.dtype.hasobject for array in inputs.values()):
+            return None, ("inline", inputs)
+        layout, end = _layout(inputs)
         buffer = self._take(max(end, 1))
         if buffer is None:
             return None, ("inline", inputs)
-        for (name, dtype, shape, offset) in layout:
-            np.copyto(np.ndarray(shape, dtype, buffer=buffer.memory, offset=offset), inputs[name])
+        _write(buffer.memory, layout, inputs)
         return buffer, ("shm", buffer.path, layout)
 
     def release(self, buffer: Buffer | None) -> None:
@@ -196,18 +199,21 @@ class HostLink:
     def _receive(self) -> None:
         while True:
             try:
-                request, answer = self.connection.recv()
+                answers = self.connection.recv()
             except (EOFError, OSError):
                 break
-            with self._send_lock:
-                future, buffer = self._pending.pop(request)
-            self.buffers.release(buffer)
-            _settle(future, answer)
+            for request, kind, payload in answers:
+                with self._send_lock:
+                    future, buffer = self._pending.pop(request)
+                if kind == "shm":  # copied out: the buffer serves the next request
+                    payload = {name: array.copy() for name, array in _read(buffer.memory, payload).items()}
+                self.buffers.release(buffer)
+                _settle(future, kind, payload)
         with self._send_lock:
             self._gone = "the model process has stopped: the server is shutting down or failed (see its log)"
             pending, self._pending = self._pending, {}
         for future, _buffer in pending.values():
-            _settle(future, _as_answer(RequestError(503, self._gone, "model_process", {"Retry-After": "1"})))
+            _settle(future, "error", _as_error(RequestError(503, self._gone, "model_process", {"Retry-After": "1"})))
 
     def close(self) -> None:
         self.buffers.close()
@@ -234,16 +240,34 @@ class RemoteBatcher:
         """The model process finishes what it queued once every worker has gone."""
 
 
-def _settle(future: Future, answer) -> None:
+def _settle(future: Future, kind: str, payload) -> None:
     if not future.set_running_or_notify_cancel():  # the request timed out meanwhile
         return
-    if isinstance(answer, tuple):
-        future.set_exception(RequestError(*answer))
+    if kind == "error":
+        future.set_exception(RequestError(*payload))
     else:
-        future.set_result(answer)
+        future.set_result(payload)
 
 
-def _as_answer(error: Exception) -> tuple:
+def _layout(arrays: dict[str, np.ndarray]) -> tuple[list[tuple], int]:
+    """Where each array goes in a buffer, ``[(name, dtype, shape, offset)]``, and the bytes they take."""
+    layout, end = [], 0
+    for name, array in arrays.items():
+        layout.append((name, array.dtype, array.shape, end))
+        end += -(-array.nbytes // ALIGN) * ALIGN
+    return layout, end
+
+
+def _write(memory: mmap.mmap, layout: list[tuple], arrays: dict[str, np.ndarray]) -> None:
+    for view, (name, *_) in zip(_read(memory, layout).values(), layout):
+        np.copyto(view, arrays[name])
+
+
+def _read(memory: mmap.mmap, layout: list[tuple]) -> dict[str, np.ndarray]:
+    return {name: np.ndarray(shape, dtype, buffer=memory, offset=offset) for name, dtype, shape, offset in layout}
+
+
+def _as_error(error: Exception) -> tuple:
     """A RequestError as the fields it is made of (an exception with such arguments does not pickle)."""
     if not isinstance(error, RequestError):
         error = RequestError(500, f"internal error: {type(error).__name__}", "internal")
@@ -253,51 +277,102 @@ def _as_answer(error: Exception) -> tuple:
 # The model process's side --------------------------------------------------------------------------
 
 
-def serve_worker(connection, batchers: dict) -> None:
-    """Answer one worker's requests until it closes its pipe; each runs in its model's batcher."""
-    mapped: dict[str, mmap.mmap] = {}
-    send_lock = threading.Lock()
-    answer = functools.partial(_answer, connection, send_lock)
-    while True:
-        try:
-            message = connection.recv()
-        except (EOFError, OSError):
-            return
-        if message[0] == "forget":
-            mapped.pop(message[1], None)  # unmapped once the last array viewing it is gone
-            continue
-        _, request, name, tensors, rows = message
-        try:
-            future = batchers[name].submit(_arrays(tensors, mapped), rows)
-        except RequestError as error:
-            answer(request, _as_answer(error))
-            continue
-        future.add_done_callback(lambda done, request=request: answer(request, _result(done)))
+class Outbox:
+    """The answers to the workers, sent by a thread of their own: a batcher settles its batch and
+    goes on to the next one, and what it settled for one worker goes out as one message. Tensors
+    larger than ``INLINE_BYTES`` are written into the request's buffer here, off the batcher."""
+
+    def __init__(self):
+        self._ready = threading.Condition()
+        self._waiting: dict = {}  # connection -> [(request, answer, buffer)]
+        self._closed = False
+        self._sender = threading.Thread(target=self._send_all, name="answers", daemon=True)
+        self._sender.start()
+
+    def put(self, connection, request: int, answer, buffer: tuple | None) -> None:
+        """``answer``: the outputs, or an exception; ``buffer``: (mmap, bytes) of the request's buffer, if any."""
+        with self._ready:
+            self._waiting.setdefault(connection, []).append((request, answer, buffer))
+            self._ready.notify()
+
+    def close(self) -> None:
+        """Send what is waiting, then stop."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+        self._sender.join()
+
+    def _send_all(self) -> None:
+        while True:
+            with self._ready:
+                while not self._waiting and not self._closed:
+                    self._ready.wait()
+                if not self._waiting:
+                    return
+                waiting, self._waiting = self._waiting, {}
+            for connection, answers in waiting.items():
+                try:
+                    connection.send([_packed(*answer) for answer in answers])
+                except OSError:  # the worker has gone: nobody waits for these answers
+                    pass
 
 
-def _arrays(tensors: tuple, mapped: dict[str, mmap.mmap]) -> dict[str, np.ndarray]:
+def _packed(request: int, answer, buffer: tuple | None) -> tuple:
+    """``(request, kind, payload)``: kind ``error`` (RequestError's fields), ``shm`` (the outputs'
+    layout in the request's buffer) or ``outputs``."""
+    if isinstance(answer, BaseException):
+        return request, "error", _as_error(answer)
+    layout, size = _layout(answer)
+    if buffer is None or size <= INLINE_BYTES or size > buffer[1] or any(a.dtype.hasobject for a in answer.values()):
+        return request, "outputs", answer
+    memory = np.frombuffer(buffer[0], np.uint8)
+    if any(np.may_share_memory(array, memory) for array in answer.values()):  # an output aliasing its input
+        return request, "outputs", answer
+    _write(buffer[0], layout, answer)
+    return request, "shm", layout
+
+
+def serve_workers(connections: list, batchers: dict, outbox: Outbox) -> None:
+    """Answer the workers' requests until each has closed its pipe; each runs in its model's batcher.
+    One thread reads every pipe: a thread per worker would only contend for the GIL."""
+    mapped: dict[str, mmap.mmap] = {}  # buffer paths are unique across workers (``w<index>-<n>``)
+    live = list(connections)
+    while live:
+        for connection in multiprocessing.connection.wait(live):
+            try:
+                message = connection.recv()
+            except (EOFError, OSError):
+                live.remove(connection)
+                continue
+            if message[0] == "forget":
+                mapped.pop(message[1], None)  # unmapped once the last array viewing it is gone
+                continue
+            _, request, name, tensors, rows = message
+            arrays, buffer = _arrays(tensors, mapped)
+            try:
+                future = batchers[name].submit(arrays, rows)
+            except RequestError as error:
+                outbox.put(connection, request, error, None)
+                continue
+            future.add_done_callback(lambda done, c=connection, r=request, b=buffer: outbox.put(c, r, _outcome(done), b))
+
+
+def _outcome(future: Future):
+    """A settled request's outputs, or its exception."""
+    return future.exception() or future.result()
+
+
+def _arrays(tensors: tuple, mapped: dict[str, mmap.mmap]) -> tuple[dict[str, np.ndarray], tuple | None]:
+    """A request's arrays, and (mmap, size) of its buffer where it came in one."""
     kind, *where = tensors
     if kind == "inline":
-        return where[0]
+        return where[0], None
     path, layout = where
     memory = mapped.get(path)
     if memory is None:
         with open(path, "r+b") as file:
             memory = mapped[path] = mmap.mmap(file.fileno(), 0)
-    return {name: np.ndarray(shape, dtype, buffer=memory, offset=offset) for name, dtype, shape, offset in layout}
-
-
-def _result(future: Future):
-    error = future.exception()
-    return _as_answer(error) if error is not None else future.result()
-
-
-def _answer(connection, send_lock: threading.Lock, request: int, answer) -> None:
-    try:
-        with send_lock:
-            connection.send((request, answer))
-    except OSError:  # the worker has gone: nobody waits for this answer
-        pass
+    return _read(memory, layout), (memory, len(memory))
 
 
 def run_model_process(paths, options, limits, connections, events) -> None:
@@ -325,16 +400,17 @@ def run_model_process(paths, options, limits, connections, events) -> None:
     for batcher in batchers.values():
         batcher.wait_warm()
     views = [model_view(model) for model in models]
-    answering = []
     for connection in connections:
         connection.send(views)
-        answering.append(threading.Thread(target=serve_worker, args=(connection, batchers), daemon=True))
-        answering[-1].start()
+    outbox = Outbox()
+    answering = threading.Thread(target=serve_workers, args=(connections, batchers, outbox), daemon=True)
+    answering.start()
     events.put(("models", None, [(model.name, model.notes, model_summary(model)) for model in models]))
-    while not stopping.is_set() and any(thread.is_alive() for thread in answering):
+    while not stopping.is_set() and answering.is_alive():
         stopping.wait(0.2)
     for batcher in batchers.values():
         batcher.close()
+    outbox.close()
     for model in models:
         for runner in model.runners:
             runner.close()

@@ -22,7 +22,7 @@ pytest.importorskip("prometheus_client")
 from deploykit.errors import BadInputError  # noqa: E402
 from deploykit.serving.batching import Batcher  # noqa: E402
 from deploykit.serving.metrics import Metrics  # noqa: E402
-from deploykit.serving.model_host import ALIGN, HostLink, SharedBuffers, model_view, serve_worker  # noqa: E402
+from deploykit.serving.model_host import ALIGN, INLINE_BYTES, HostLink, Outbox, SharedBuffers, _packed, _read, model_view, serve_workers  # noqa: E402
 from deploykit.serving.models import ServedModel  # noqa: E402
 from deploykit.serving.protocol import RequestError  # noqa: E402
 from deploykit.serving.staging import PinnedStaging  # noqa: E402
@@ -58,13 +58,17 @@ def host(tmp_path):
     model = ServedModel("double", Path("double"), [runner], ["cpu"], max_batch=8, buckets=[], allow_nan=False)
     batcher = Batcher(model, max_delay_s=0, max_queue=4, metrics=Metrics())
     ours, theirs = multiprocessing.Pipe()
-    answering = threading.Thread(target=serve_worker, args=(ours, {"double": batcher}), daemon=True)
+    outbox = Outbox()
+    answering = threading.Thread(target=serve_workers, args=([ours], {"double": batcher}, outbox), daemon=True)
     answering.start()
     link = HostLink(theirs, tmp_path, "w0")
     yield link, runner, ours
     link.close()
-    ours.close()
+    theirs.close()
+    answering.join(10)
     batcher.close()
+    outbox.close()
+    ours.close()
 
 
 def request(rows: int, seed: int) -> dict[str, np.ndarray]:
@@ -81,6 +85,36 @@ def test_requests_travel_through_shared_memory_and_come_back_exactly(host, tmp_p
         np.testing.assert_array_equal(answer["ids2"], inputs["ids"] * 2)
     assert sum(runner.batches) == sum(len(inputs["x"]) for inputs in sent)
     assert len(list(tmp_path.iterdir())) == 1  # one at a time: one buffer, reused
+
+
+def test_large_answers_come_back_exactly_through_the_requests_buffer(host):
+    link, _, ours = host
+    rows = 2
+    inputs = {"x": np.random.default_rng(0).standard_normal((rows, INLINE_BYTES // 4)).astype(np.float32),
+              "ids": np.arange(rows)}
+    sent, send = [], ours.send
+    ours.send = lambda answers: sent.append(answers) or send(answers)  # the answers as they travel
+    answer = link.submit("double", inputs, rows).result(timeout=10)
+    np.testing.assert_array_equal(answer["y"], inputs["x"] * 2)
+    np.testing.assert_array_equal(answer["ids2"], inputs["ids"] * 2)
+    assert [kind for _, kind, _ in sent[0]] == ["shm"]
+
+
+def test_an_answer_goes_into_the_buffer_only_when_large_fitting_and_not_aliasing_its_input(tmp_path):
+    buffers = SharedBuffers(tmp_path, "w", forget=lambda path: None)
+    buffer, _ = buffers.put({"x": np.ones(8, np.uint8)})
+    where = (buffer.memory, buffer.size)
+    large = {"y": np.arange(INLINE_BYTES // 4 + 1, dtype=np.float32)}
+    request, kind, layout = _packed(7, large, where)
+    assert (request, kind) == (7, "shm")
+    np.testing.assert_array_equal(_read(buffer.memory, layout)["y"], large["y"])
+    assert _packed(1, {"y": np.ones(3)}, where)[1] == "outputs"  # small: the pipe is cheaper
+    assert _packed(1, large, None)[1] == "outputs"  # the request came through the pipe
+    assert _packed(1, {"y": np.zeros(buffer.size + 1, np.uint8)}, where)[1] == "outputs"  # larger than the buffer
+    aliasing = {"y": np.ndarray(INLINE_BYTES + 8, np.uint8, buffer=buffer.memory)}
+    assert _packed(1, aliasing, where)[1] == "outputs"
+    assert _packed(1, RequestError(400, "no"), where) == (1, "error", (400, "no", "bad_request", {}))
+    buffers.close()
 
 
 def test_tensors_sit_at_aligned_offsets_and_a_larger_request_gets_a_larger_buffer(tmp_path):
