@@ -17,6 +17,8 @@
 #          $INSTANCES (runners in the model process; default 2 on a GPU, 1 on a CPU) on $DEVICE; triton: tritonserver
 #          on the python export, $TRITON_INSTANCES instances (default 1). $SERVE_ARGS: more options for serve.
 # GPU busy %: nvidia-smi's utilization sampled every 200 ms during each concurrency level (busy.txt beside it).
+# PROFILE_LEVEL=N (with py-spy on PATH): every server process's Python stacks sampled for 10 s during level N
+# (py-spy-PID.txt beside its CSV; raw format: one line per distinct stack, then its sample count).
 # Results: $OUT/summary.md, and $OUT/results.tgz with every level's perf_analyzer CSV and log, busy samples,
 # and the servers' logs.
 set -uo pipefail
@@ -103,12 +105,21 @@ json.dump({"data": [{"input_ids": {"content": ids, "shape": [128]},
                      "attention_mask": {"content": [1] * 128, "shape": [128]}}]}, open(sys.argv[1], "w"))
 PY
 
-sweep() {  # NAME MODEL HTTP_PORT: perf_analyzer at each level, GPU busy sampled beside it
+profile() {  # DIR SERVER_PID: py-spy (raw stacks, 10 s, not stopping them) of the server and its child processes
+  local pid
+  for pid in $2 $(pgrep -P "$2"); do
+    py-spy record --pid "$pid" --duration 10 --nonblocking --format raw -o "$1/py-spy-$pid.txt" > /dev/null 2>&1 &
+  done
+}
+sweep() {  # NAME MODEL HTTP_PORT SERVER_PID: perf_analyzer at each level, GPU busy sampled beside it
   for level in $levels; do
     local dir="$OUT/$1/c$level" sampler=; mkdir -p "$dir"
     if [ "$device" != cpu ]; then
       nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 200 > "$dir/busy.txt" &
       sampler=$!
+    fi
+    if [ "${PROFILE_LEVEL:-}" = "$level" ] && command -v py-spy > /dev/null; then
+      (sleep 5; profile "$dir" "$4") &
     fi
     # shellcheck disable=SC2086
     python3 "$root/benchmarks/perf_analyzer.py" "$2" --http "127.0.0.1:$3" --concurrency "$level" \
@@ -133,7 +144,7 @@ for model in $models; do
     python3 -m deploykit serve "$bundle" --device "$device" --workers "$workers" --instances "$instances" --max-batch $max_batch ${SERVE_ARGS:-} \
       --no-access-log --port 18000 > "$OUT/serve-$model.log" 2>&1 &
     server=$!
-    wait_for "$OUT/serve-$model.log" "serving at" 240 $server && sweep "serve-$model" "$model-$precision" 18000
+    wait_for "$OUT/serve-$model.log" "serving at" 240 $server && sweep "serve-$model" "$model-$precision" 18000 $server
     kill -TERM $server; wait $server; stamp "deploykit serve $model: exit $?"
   fi
   if has_step triton; then
@@ -148,7 +159,7 @@ os.execvpe(server.command[0], [*server.command, "--model-repository", sys.argv[1
                                "--grpc-port", "18002", "--metrics-port", "18003"], server.env)
 PY
     server=$!
-    wait_for "$OUT/triton-$model.log" "Started HTTPService" 300 $server && sweep "triton-$model" "$model-$precision" 18001
+    wait_for "$OUT/triton-$model.log" "Started HTTPService" 300 $server && sweep "triton-$model" "$model-$precision" 18001 $server
     kill -TERM $server; wait $server; stamp "tritonserver $model: exit $?"
   fi
 done

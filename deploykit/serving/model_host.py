@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import mmap
@@ -354,12 +355,12 @@ def serve_workers(connections: list, batchers: dict, outbox: Outbox) -> None:
             except RequestError as error:
                 outbox.put(connection, request, error, None)
                 continue
-            future.add_done_callback(lambda done, c=connection, r=request, b=buffer: outbox.put(c, r, _outcome(done), b))
+            future.add_done_callback(functools.partial(_answer, outbox, connection, request, buffer))
 
 
-def _outcome(future: Future):
-    """A settled request's outputs, or its exception."""
-    return future.exception() or future.result()
+def _answer(outbox: Outbox, connection, request: int, buffer: tuple | None, done: Future) -> None:
+    """A settled request's outputs, or its exception, to its worker."""
+    outbox.put(connection, request, done.exception() or done.result(), buffer)
 
 
 def _arrays(tensors: tuple, mapped: dict[str, mmap.mmap]) -> tuple[dict[str, np.ndarray], tuple | None]:

@@ -86,7 +86,7 @@ class ServedModel:
     def check(self, inputs: dict[str, np.ndarray]) -> int:
         """The request's rows (its batch); RequestError naming what the manifest refuses."""
         try:
-            feeds = collect_feeds(inputs, {}, self.inputs)
+            feeds = collect_feeds(inputs, {}, self.inputs, aligned=False)  # checked here, aligned where batched
         except BadInputError as error:
             raise bad(str(error)) from None
         if not self.allow_nan:

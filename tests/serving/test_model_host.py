@@ -22,7 +22,8 @@ pytest.importorskip("prometheus_client")
 from deploykit.errors import BadInputError  # noqa: E402
 from deploykit.serving.batching import Batcher  # noqa: E402
 from deploykit.serving.metrics import Metrics  # noqa: E402
-from deploykit.serving.model_host import ALIGN, INLINE_BYTES, HostLink, Outbox, SharedBuffers, _packed, _read, model_view, serve_workers  # noqa: E402
+from deploykit.serving.model_host import (  # noqa: E402
+    ALIGN, INLINE_BYTES, HostLink, Outbox, SharedBuffers, _packed, _read, model_view, serve_workers)
 from deploykit.serving.models import ServedModel  # noqa: E402
 from deploykit.serving.protocol import RequestError  # noqa: E402
 from deploykit.serving.staging import PinnedStaging  # noqa: E402

@@ -68,8 +68,9 @@ def _device_name(device) -> str:
     return str(device)
 
 
-def as_feed(name: str, value) -> Feed:
-    """Classify one input value without copying it (torch CPU tensors become numpy views)."""
+def as_feed(name: str, value, *, aligned: bool = True) -> Feed:
+    """Classify one input value without copying it (torch CPU tensors become numpy views), except a
+    misaligned host array, copied when ``aligned`` (a runner's feed must be)."""
     torch = imported_torch()
     if torch is not None and isinstance(value, torch.Tensor):
         return _torch_feed(name, value, torch)
@@ -79,7 +80,7 @@ def as_feed(name: str, value) -> Feed:
             raise BadInputError(f"input {name} is a non-contiguous CUDA array: pass a contiguous one")
         return Feed(name, value, tuple(interface["shape"]), np.dtype(interface["typestr"]), True)
     array = np.ascontiguousarray(value)
-    if not array.flags.aligned:  # a view at an odd offset of a byte buffer (an HTTP body): kernels need
+    if aligned and not array.flags.aligned:  # a view at an odd offset of a byte buffer (an HTTP body): kernels need
         array = array.copy()     # element-aligned pointers, and ONNX Runtime passes numpy's own
     return Feed(name, array, array.shape, array.dtype, False)
 
@@ -107,14 +108,15 @@ def _c_strides(interface: dict) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def collect_feeds(feeds, named: Mapping, specs: list[dict]) -> dict[str, Feed]:
-    """Inputs by name (a dict, keywords, or one bare array for a one-input model), checked."""
-    given = gathered_feeds(feeds, named, specs)
+def collect_feeds(feeds, named: Mapping, specs: list[dict], *, aligned: bool = True) -> dict[str, Feed]:
+    """Inputs by name (a dict, keywords, or one bare array for a one-input model), checked.
+    ``aligned=False`` leaves misaligned arrays as they are: for a caller that only checks them."""
+    given = gathered_feeds(feeds, named, specs, aligned=aligned)
     check_feeds(given, specs)
     return given
 
 
-def gathered_feeds(feeds, named: Mapping, specs: list[dict]) -> dict[str, Feed]:
+def gathered_feeds(feeds, named: Mapping, specs: list[dict], *, aligned: bool = True) -> dict[str, Feed]:
     """Inputs by name, in the specs' order, classified but not yet checked (``check_feeds``)."""
     if feeds is not None and not isinstance(feeds, Mapping):
         if len(specs) != 1:
@@ -127,7 +129,7 @@ def gathered_feeds(feeds, named: Mapping, specs: list[dict]) -> dict[str, Feed]:
         unknown, missing = sorted(set(given) - set(names)), [n for n in names if n not in given]
         problem = f"no input named {', '.join(unknown)}" if unknown else f"missing {', '.join(missing)}"
         raise BadInputError(f"{problem}; the model takes {describe_inputs(specs)}")
-    return {name: as_feed(name, given[name]) for name in names}
+    return {name: as_feed(name, given[name], aligned=aligned) for name in names}
 
 
 def given_batch(feeds, named: Mapping, specs: list[dict]) -> int | None:
