@@ -107,7 +107,7 @@ PY
 
 profile() {  # DIR SERVER_PID: py-spy (raw stacks, 10 s, not stopping them) of the server and its child processes
   local pid
-  for pid in $2 $(pgrep -P "$2"); do
+  for pid in $2 $(awk -v parent="$2" '$4 == parent {print $1}' /proc/[0-9]*/stat 2> /dev/null); do
     py-spy record --pid "$pid" --duration 10 --nonblocking --format raw -o "$1/py-spy-$pid.txt" > /dev/null 2>&1 &
   done
 }
