@@ -1,8 +1,10 @@
 """int8 against fp32 on this CPU: ``deploykit convert --precision int8`` vs the fp32 bundle, in ONNX Runtime.
 
-    python benchmarks/bench_int8_cpu.py [--work DIR] [--batches 1,8] [--rounds 7] [--out results/int8.json]
+    python benchmarks/bench_int8_cpu.py [--model resnet18] [--work DIR] [--batches 1,8] [--rounds 7]
+                                        [--out results/int8.json]
 
-torchvision's resnet18 with random weights and BatchNorm statistics measured on random images
+A torchvision classifier (``--model``, default resnet18) with random weights and BatchNorm statistics
+measured on random images
 (``calibrate_batch_norm``: random statistics make its logits near-constant), exported with a
 dynamic batch, converted twice by the CLI: fp32, and int8 calibrated on ``--samples`` random images
 given with ``--calibration``. A third graph, the int8 bundle's fp32 reference quantized with int8
@@ -33,21 +35,26 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def build_model(work: Path, image: int) -> Path:
-    """resnet18, BatchNorm calibrated on random images, saved as a torch.export program (batch 1..16)."""
-    import torch
+def torchvision_model(name: str):
     import torchvision
+
+    return getattr(torchvision.models, name)()
+
+
+def build_model(name: str, work: Path, image: int) -> Path:
+    """The model, BatchNorm calibrated on random images, saved as a torch.export program (batch 1..16)."""
+    import torch
 
     from deploykit.testing import calibrate_batch_norm
 
     torch.manual_seed(0)
     images = [torch.randn(8, 3, image, image, generator=torch.Generator().manual_seed(i)) for i in range(4)]
-    model = calibrate_batch_norm(torchvision.models.resnet18(), images, seed=0)
+    model = calibrate_batch_norm(torchvision_model(name), images, seed=0)
     program = torch.export.export(model, (torch.randn(2, 3, image, image),),
                                   dynamic_shapes={"x": {0: torch.export.Dim("batch", min=1, max=16)}})
-    path = work / "resnet18.pt2"
+    path = work / "model.pt2"
     torch.export.save(program, path)
-    torch.save(model.state_dict(), work / "resnet18_weights.pt")
+    torch.save(model.state_dict(), work / "weights.pt")
     return path
 
 
@@ -83,14 +90,13 @@ def quantize(reference: Path, out: Path, samples: np.ndarray, activations: str, 
     return out
 
 
-def plain_export(work: Path, image: int) -> Path:
+def plain_export(name: str, work: Path, image: int) -> Path:
     """The peer route a user writes without deploykit: torch.onnx.export of the same model (no
     deploykit passes; ONNX Runtime folds BatchNorm itself at load)."""
     import torch
-    import torchvision
 
-    model = torchvision.models.resnet18()
-    model.load_state_dict(torch.load(work / "resnet18_weights.pt"))
+    model = torchvision_model(name)
+    model.load_state_dict(torch.load(work / "weights.pt"))
     path = work / "plain-fp32.onnx"
     torch.onnx.export(model.eval(), (torch.randn(1, 3, image, image),), path, input_names=["x"],
                       dynamic_axes={"x": {0: "batch"}}, dynamo=False)
@@ -124,13 +130,12 @@ def time_graphs(paths: dict[str, Path], batch: int, image: int, rounds: int, cal
     return {name: statistics.median(values) for name, values in medians.items()}
 
 
-def accuracy(weights: Path, paths: dict[str, Path], image: int, count: int) -> dict[str, dict]:
+def accuracy(name: str, weights: Path, paths: dict[str, Path], image: int, count: int) -> dict[str, dict]:
     """Each graph's logits against PyTorch fp32 on ``count`` random images (seed 99: not calibration's)."""
     import onnxruntime as ort
     import torch
-    import torchvision
 
-    model = torchvision.models.resnet18()
+    model = torchvision_model(name)
     model.load_state_dict(torch.load(weights))
     images = np.random.default_rng(99).standard_normal((count, 3, image, image), dtype=np.float32)
     with torch.no_grad():
@@ -146,6 +151,7 @@ def accuracy(weights: Path, paths: dict[str, Path], image: int, count: int) -> d
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="bench_int8_cpu.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="resnet18", help="a torchvision.models builder taking 3xNxN images")
     parser.add_argument("--work", type=Path, default=Path("/tmp/deploykit-bench-int8"))
     parser.add_argument("--image", type=int, default=224)
     parser.add_argument("--batches", default="1,8")
@@ -158,7 +164,7 @@ def main() -> None:
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
 
-    model = build_model(args.work, args.image)
+    model = build_model(args.model, args.work, args.image)
     samples = np.random.default_rng(7).standard_normal((args.samples, 3, args.image, args.image), dtype=np.float32)
     np.savez(args.work / "calibration.npz", x=samples)
     fp32 = convert(model, args.work / "fp32")
@@ -166,7 +172,7 @@ def main() -> None:
                    "--calibration-method", args.method)
     from deploykit.conversion.quantize import QUANTIZED_OPS
 
-    plain = plain_export(args.work, args.image)
+    plain = plain_export(args.model, args.work, args.image)
     paths = {"fp32": args.work / "fp32" / "model.onnx", "int8 (U8S8, deploykit)": args.work / "int8" / "model.onnx",
              "int8 (S8S8)": quantize(args.work / "int8" / "model.fp32.onnx", args.work / "s8s8.onnx", samples,
                                      "QInt8", list(QUANTIZED_OPS)),
@@ -175,11 +181,11 @@ def main() -> None:
                                                             None)}
     timings = {batch: time_graphs(paths, batch, args.image, args.rounds, args.calls)
                for batch in map(int, args.batches.split(","))}
-    checked = accuracy(args.work / "resnet18_weights.pt", paths, args.image, args.check)
+    checked = accuracy(args.model, args.work / "weights.pt", paths, args.image, args.check)
 
     import onnxruntime
 
-    print(f"resnet18 {args.image}x{args.image}, onnxruntime {onnxruntime.__version__}, {os.cpu_count()} CPUs; "
+    print(f"{args.model} {args.image}x{args.image}, onnxruntime {onnxruntime.__version__}, {os.cpu_count()} CPUs; "
           f"int8 convert verdict {int8['verdict']} ({int8['convert_s']:.0f} s), "
           f"{int8['precision']['nodes']['int8']} int8 / {int8['precision']['nodes']['float']} float nodes")
     print("| batch | graph | p50 ms | fp32 / graph |")
