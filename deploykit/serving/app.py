@@ -48,14 +48,11 @@ class Limits:
     token: str | None = None
 
 
-def create_app(models: list[ServedModel], limits: Limits, on_ready=None, batcher_for=None):
+def create_app(models: list[ServedModel], limits: Limits, on_ready, batcher_for):
     """The app (an ASGI callable); batchers start with it and, at shutdown, finish every queued request
     before they stop; ``on_ready()`` once every runner is warm. ``batcher_for(model, metrics)``: where
-    a model's requests go (default: a Batcher over its runners in this process)."""
+    a model's requests go (a Batcher over its runners in this process, or the model process's)."""
     metrics = Metrics()
-    if batcher_for is None:
-        def batcher_for(model, metrics):
-            return Batcher(model, limits.max_delay_ms / 1e3, limits.max_queue, metrics)
     served = {model.name: model for model in models}
     batchers: dict[str, Batcher] = {}
     state = {"ready": False}

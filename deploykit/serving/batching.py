@@ -26,6 +26,7 @@ import numpy as np
 
 from deploykit.backends.base.feeds import random_inputs
 from deploykit.errors import BadInputError
+from deploykit.serving.gpu_health import lost_context, lost_message
 from deploykit.serving.models import ServedModel
 from deploykit.serving.protocol import RequestError
 from deploykit.serving.staging import PinnedStaging
@@ -44,8 +45,10 @@ class Pending:
 class Batcher:
     """The queue and workers of one model. ``submit`` returns a Future of its outputs."""
 
-    def __init__(self, model: ServedModel, max_delay_s: float, max_queue: int, metrics):
+    def __init__(self, model: ServedModel, max_delay_s: float, max_queue: int, metrics, on_lost=None):
+        """``on_lost(message)``: once, when a failed run on a GPU finds its CUDA context lost (``gpu_health``)."""
         self.model, self.max_delay, self.max_queue, self.metrics = model, max_delay_s, max_queue, metrics
+        self.on_lost = on_lost
         self._queue: collections.deque[Pending] = collections.deque()
         self._rows = 0  # the rows in _queue, kept as it changes: workers ask on every wake-up
         self._arriving = 0  # requests being read and parsed, which may still join a batch
@@ -168,11 +171,24 @@ class Batcher:
             failure = as_request_error(error, self.model.name)
             for pending in batch:
                 pending.future.set_exception(failure)
+            self._check_gpu(runner)
             return
         finally:
             self.metrics.observe_run(self.model.name, sum(rows), started, [p.arrived for p in batch])
         for pending, result in zip(batch, results):
             pending.future.set_result(result)
+
+
+    def _check_gpu(self, runner) -> None:
+        if self.on_lost is None or runner.device != "cuda":
+            return
+        device = self.model.placements[self.model.runners.index(runner)]
+        if (why := lost_context(device)) is None:
+            return
+        with self._ready:  # said once, though every instance's next run fails alike
+            on_lost, self.on_lost = self.on_lost, None
+        if on_lost is not None:
+            on_lost(lost_message(self.model.name, device, why))
 
 
 def run_rows(model: ServedModel, runner, requests: list[dict[str, np.ndarray]], rows: list[int],

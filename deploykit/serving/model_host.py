@@ -380,7 +380,7 @@ def run_model_process(paths, options, limits, connections, events) -> None:
     """The model process: load every bundle once, warm the runners up, send the workers the models,
     then answer their requests until every worker has closed its pipe (or SIGTERM), finishing what
     is queued. SIGINT is left to the workers (Ctrl-C reaches them all): they stop first, then this."""
-    from deploykit.errors import DeployKitError
+    from deploykit.errors import DeployKitError, EnvironmentProblem
     from deploykit.serving.batching import Batcher
     from deploykit.serving.metrics import Metrics
     from deploykit.serving.models import load_models
@@ -397,7 +397,15 @@ def run_model_process(paths, options, limits, connections, events) -> None:
         events.put(("models", error.exit_code, None))
         sys.exit(error.exit_code)
     metrics = Metrics()
-    batchers = {model.name: Batcher(model, limits.max_delay_ms / 1e3, limits.max_queue, metrics) for model in models}
+    lost: list[str] = []
+
+    def stop_lost(message: str) -> None:  # a GPU's CUDA context is lost: finish, then exit 3 (gpu_health)
+        log.critical(message)
+        lost.append(message)
+        stopping.set()
+
+    batchers = {model.name: Batcher(model, limits.max_delay_ms / 1e3, limits.max_queue, metrics, on_lost=stop_lost)
+                for model in models}
     for batcher in batchers.values():
         batcher.wait_warm()
     views = [model_view(model) for model in models]
@@ -415,4 +423,6 @@ def run_model_process(paths, options, limits, connections, events) -> None:
     for model in models:
         for runner in model.runners:
             runner.close()
+    if lost:
+        sys.exit(EnvironmentProblem.exit_code)
 

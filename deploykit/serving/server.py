@@ -2,7 +2,8 @@
 
 On a signal uvicorn stops accepting connections and waits for the requests it has (each waits
 for its batch), then the app's shutdown lets the workers finish anything still queued. A server
-stopped that way has done its job: it exits 0.
+stopped that way has done its job: it exits 0. One whose GPU's CUDA context is lost stops the same
+way, then exits 3 with the reason (``gpu_health``).
 """
 
 from __future__ import annotations
@@ -47,12 +48,23 @@ def serve(models, limits, host: str = "127.0.0.1", port: int = 8000, *, access_l
     """Serve ``models`` until SIGTERM or SIGINT; every accepted request is answered before it returns.
     ``on_started(url)`` once it listens, ``on_ready()`` once every runner is warm; ``sockets``: listen on
     these instead of host:port, ``batcher_for``: send requests to the model process (a worker of
-    ``serve --workers``)."""
+    ``serve --workers``). EnvironmentProblem after the stop when a GPU's CUDA context was lost."""
     import uvicorn
 
     from deploykit.serving.app import create_app
+    from deploykit.serving.batching import Batcher
 
     configure_logging(access_log)
+    lost: list[str] = []
+
+    def stop_lost(message: str) -> None:  # a GPU's CUDA context is lost: stop as on SIGTERM, then say why
+        logging.getLogger("deploykit.serve").critical(message)
+        lost.append(message)
+        server.should_exit = True
+
+    if batcher_for is None:
+        def batcher_for(model, metrics):
+            return Batcher(model, limits.max_delay_ms / 1e3, limits.max_queue, metrics, on_lost=stop_lost)
     app = create_app(models, limits, on_ready, batcher_for)
     config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="on",
                             timeout_graceful_shutdown=max(limits.timeout_s, 1.0) + 5, server_header=False)
@@ -61,6 +73,8 @@ def serve(models, limits, host: str = "127.0.0.1", port: int = 8000, *, access_l
         _call_when_started(server, on_started)
     with _signals_end_quietly():
         server.run(sockets)
+    if lost:
+        raise EnvironmentProblem(lost[0])
 
 
 def _call_when_started(server, on_started) -> None:
