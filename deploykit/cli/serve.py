@@ -58,7 +58,7 @@ def serve(bundles, host, port, backend, devices, instances, workers, threads, ma
     """Serve BUNDLES over HTTP with the KServe v2 / Open Inference Protocol and dynamic batching.
 
     Each model is named after its bundle's folder. SIGTERM or Ctrl-C stops accepting requests,
-    answers every accepted one, and exits 0.
+    answers every accepted one, and exits 0; a GPU whose CUDA context is lost stops it with exit 3.
     """
     from deploykit.serving import server
     from deploykit.serving.models import ServeOptions, load_models
@@ -82,8 +82,8 @@ def serve(bundles, host, port, backend, devices, instances, workers, threads, ma
                                     on_started=lambda url: _print_started(url, f", {workers} workers"))
             raise SystemExit(code)
         models = load_models(list(bundles), options)
-    _print_models([(model.name, model.notes, server.model_summary(model)) for model in models])
-    server.serve(models, limits, host, port, access_log=not no_access_log, on_started=_print_started)
+        _print_models([(model.name, model.notes, server.model_summary(model)) for model in models])
+        server.serve(models, limits, host, port, access_log=not no_access_log, on_started=_print_started)
 
 
 def _print_models(described: list[tuple[str, list[str], str]]) -> None:
