@@ -290,8 +290,8 @@ class Outbox:
         self._sender = threading.Thread(target=self._send_all, name="answers", daemon=True)
         self._sender.start()
 
-    def put(self, connection, request: int, answer, buffer: tuple | None) -> None:
-        """``answer``: the outputs, or an exception; ``buffer``: (mmap, bytes) of the request's buffer, if any."""
+    def put(self, connection, request: int, answer, buffer: mmap.mmap | None) -> None:
+        """``answer``: the outputs, or an exception; ``buffer``: the request's mapped buffer, if any."""
         with self._ready:
             self._waiting.setdefault(connection, []).append((request, answer, buffer))
             self._ready.notify()
@@ -318,18 +318,18 @@ class Outbox:
                     pass
 
 
-def _packed(request: int, answer, buffer: tuple | None) -> tuple:
+def _packed(request: int, answer, buffer: mmap.mmap | None) -> tuple:
     """``(request, kind, payload)``: kind ``error`` (RequestError's fields), ``shm`` (the outputs'
     layout in the request's buffer) or ``outputs``."""
     if isinstance(answer, BaseException):
         return request, "error", _as_error(answer)
     layout, size = _layout(answer)
-    if buffer is None or size <= INLINE_BYTES or size > buffer[1] or any(a.dtype.hasobject for a in answer.values()):
+    if buffer is None or size <= INLINE_BYTES or size > len(buffer) or any(a.dtype.hasobject for a in answer.values()):
         return request, "outputs", answer
-    memory = np.frombuffer(buffer[0], np.uint8)
+    memory = np.frombuffer(buffer, np.uint8)
     if any(np.may_share_memory(array, memory) for array in answer.values()):  # an output aliasing its input
         return request, "outputs", answer
-    _write(buffer[0], layout, answer)
+    _write(buffer, layout, answer)
     return request, "shm", layout
 
 
@@ -358,13 +358,13 @@ def serve_workers(connections: list, batchers: dict, outbox: Outbox) -> None:
             future.add_done_callback(functools.partial(_answer, outbox, connection, request, buffer))
 
 
-def _answer(outbox: Outbox, connection, request: int, buffer: tuple | None, done: Future) -> None:
+def _answer(outbox: Outbox, connection, request: int, buffer: mmap.mmap | None, done: Future) -> None:
     """A settled request's outputs, or its exception, to its worker."""
     outbox.put(connection, request, done.exception() or done.result(), buffer)
 
 
-def _arrays(tensors: tuple, mapped: dict[str, mmap.mmap]) -> tuple[dict[str, np.ndarray], tuple | None]:
-    """A request's arrays, and (mmap, size) of its buffer where it came in one."""
+def _arrays(tensors: tuple, mapped: dict[str, mmap.mmap]) -> tuple[dict[str, np.ndarray], mmap.mmap | None]:
+    """A request's arrays, and its mapped buffer where it came in one."""
     kind, *where = tensors
     if kind == "inline":
         return where[0], None
@@ -373,7 +373,7 @@ def _arrays(tensors: tuple, mapped: dict[str, mmap.mmap]) -> tuple[dict[str, np.
     if memory is None:
         with open(path, "r+b") as file:
             memory = mapped[path] = mmap.mmap(file.fileno(), 0)
-    return _read(memory, layout), (memory, len(memory))
+    return _read(memory, layout), memory
 
 
 def run_model_process(paths, options, limits, connections, events) -> None:

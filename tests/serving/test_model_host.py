@@ -104,7 +104,7 @@ def test_large_answers_come_back_exactly_through_the_requests_buffer(host):
 def test_an_answer_goes_into_the_buffer_only_when_large_fitting_and_not_aliasing_its_input(tmp_path):
     buffers = SharedBuffers(tmp_path, "w", forget=lambda path: None)
     buffer, _ = buffers.put({"x": np.ones(8, np.uint8)})
-    where = (buffer.memory, buffer.size)
+    where = buffer.memory
     large = {"y": np.arange(INLINE_BYTES // 4 + 1, dtype=np.float32)}
     request, kind, layout = _packed(7, large, where)
     assert (request, kind) == (7, "shm")
