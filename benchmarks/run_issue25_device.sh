@@ -19,6 +19,7 @@
 # GPU busy %: nvidia-smi's utilization sampled every 200 ms during each concurrency level (busy.txt beside it).
 # PROFILE_LEVEL=N (with py-spy on PATH): every server process's Python stacks sampled for 10 s during level N
 # (py-spy-PID.txt beside its CSV; raw format: one line per distinct stack, then its sample count).
+# INTERVAL_MS, STABILITY: perf_analyzer's window (ms) and stability percentage (3000, 10); a noisy machine needs more.
 # Results: $OUT/summary.md, and $OUT/results.tgz with every level's perf_analyzer CSV and log, busy samples,
 # and the servers' logs.
 set -uo pipefail
@@ -123,7 +124,7 @@ sweep() {  # NAME MODEL HTTP_PORT SERVER_PID: perf_analyzer at each level, GPU b
     fi
     # shellcheck disable=SC2086
     python3 "$root/benchmarks/perf_analyzer.py" "$2" --http "127.0.0.1:$3" --concurrency "$level" \
-      --measurement-interval-ms ${INTERVAL_MS:-3000} ${shapes[${2%-*}]} --out "$dir" > "$dir/run.log" 2>&1
+      --measurement-interval-ms ${INTERVAL_MS:-3000} --stability-percentage ${STABILITY:-10} ${shapes[${2%-*}]} --out "$dir" > "$dir/run.log" 2>&1
     [ -z "$sampler" ] || { kill $sampler; wait $sampler 2>/dev/null; }
     stamp "$1 c$level: $(tail -n 1 "$dir/run.log")"
   done

@@ -1,5 +1,7 @@
 """``deploykit serve`` on the GPU: two instances on cuda:0 share the model's queue, batches form
-under concurrent load, and every answer equals ``deploykit.load``'s on the GPU for the same rows.
+under concurrent load, and every answer equals ``deploykit.load``'s on the GPU for the same rows,
+in one process and with HTTP workers in front of the model process (whose batches go from
+page-locked shared memory straight to the GPU: ``serving.staging.DeviceStaging``).
 """
 
 from __future__ import annotations
@@ -31,12 +33,13 @@ def bundle():
     return converted_bundles.converted(MODEL)
 
 
-def test_two_instances_on_one_gpu(bundle):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_two_instances_on_one_gpu(bundle, workers):
     reference = deploykit.load(bundle, backend="onnxruntime", device="cuda:0")
     inputs = [np.random.default_rng(seed).standard_normal((1 + seed % 3, 13)).astype(np.float32)
               for seed in range(96)]
     with running_server(bundle, "--backend", "onnxruntime", "--device", "cuda:0", "--instances", "2",
-                        "--max-delay-ms", "5") as server:
+                        "--max-delay-ms", "5", "--workers", workers) as server:
         config = json.loads(get(server, f"/v2/models/{MODEL}/config")[2])
         assert config["instance_group"] == [{"count": 2, "kind": "KIND_GPU", "gpus": [0]}]
         with tritonhttp.InferenceServerClient(server.url, concurrency=24) as client:
@@ -72,3 +75,29 @@ def test_one_instance_per_gpu(bundle):
     count = torch.cuda.device_count()
     result = run_deploykit("serve", bundle, "--device", f"cuda:{count}")
     assert result.returncode == 2 and f"this process sees {count} GPU(s)" in result.stderr
+
+
+def test_device_staging_from_registered_shared_memory(tmp_path):
+    """Rows DMA'd from a page-locked shared-memory mapping into the GPU batch equal numpy's
+    concatenation; rows that held data and become padding are zero; unregistered (pageable) rows too."""
+    import mmap
+
+    from deploykit.serving.staging import DeviceStaging, HostRegistry
+
+    path = tmp_path / "buffer"
+    path.write_bytes(bytes(1 << 20))
+    with open(path, "r+b") as file:
+        memory = mmap.mmap(file.fileno(), 0)
+    registry, staging = HostRegistry(torch, torch.device("cuda", 0)), DeviceStaging(torch, torch.device("cuda", 0))
+    registry.add(memory)
+    assert len(registry) == 1, "cudaHostRegister refused a shared-memory mapping"
+    rng = np.random.default_rng(0)
+    shared = np.ndarray((5, 3, 7), np.float32, buffer=memory)
+    shared[:] = rng.standard_normal(shared.shape)
+    pageable = rng.standard_normal((2, 3, 7)).astype(np.float32)
+    batch = staging.assemble("x", [shared, pageable], 7, 8)
+    np.testing.assert_array_equal(batch.cpu().numpy(), np.concatenate([shared, pageable, np.zeros((1, 3, 7), np.float32)]))
+    batch = staging.assemble("x", [shared[:2]], 2, 4)
+    np.testing.assert_array_equal(batch.cpu().numpy(), np.concatenate([shared[:2], np.zeros((2, 3, 7), np.float32)]))
+    registry.remove(memory)
+    assert len(registry) == 0
