@@ -19,6 +19,8 @@
 # GPU busy %: nvidia-smi's utilization sampled every 200 ms during each concurrency level (busy.txt beside it).
 # PROFILE_LEVEL=N (with py-spy on PATH): every server process's Python stacks sampled for 10 s during level N
 # (py-spy-PID.txt beside its CSV; raw format: one line per distinct stack, then its sample count).
+# ROUNDS=N: the serve and triton steps repeated N times, one server after the other (results in roundK/;
+# summary.md has the medians and each throughput's range).
 # INTERVAL_MS, STABILITY: perf_analyzer's window (ms) and stability percentage (3000, 10); a noisy machine needs more.
 # Results: $OUT/summary.md, and $OUT/results.tgz with every level's perf_analyzer CSV and log, busy samples,
 # and the servers' logs.
@@ -114,7 +116,7 @@ profile() {  # DIR SERVER_PID: py-spy (raw stacks, 10 s, not stopping them) of t
 }
 sweep() {  # NAME MODEL HTTP_PORT SERVER_PID: perf_analyzer at each level, GPU busy sampled beside it
   for level in $levels; do
-    local dir="$OUT/$1/c$level" sampler=; mkdir -p "$dir"
+    local dir="$results/$1/c$level" sampler=; mkdir -p "$dir"
     if [ "$device" != cpu ]; then
       nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 200 > "$dir/busy.txt" &
       sampler=$!
@@ -139,32 +141,37 @@ wait_for() {  # LOG TEXT SECONDS PID: until LOG says TEXT; fails at once when th
   done
 }
 
-for model in $models; do
-  bundle=$WORK/$model-$precision
-  if has_step serve; then
-    python3 -m deploykit serve "$bundle" --device "$device" --workers "$workers" --instances "$instances" --max-batch $max_batch ${SERVE_ARGS:-} \
-      --no-access-log --port 18000 > "$OUT/serve-$model.log" 2>&1 &
-    server=$!
-    wait_for "$OUT/serve-$model.log" "serving at" 240 $server && sweep "serve-$model" "$model-$precision" 18000 $server
-    kill -TERM $server; wait $server; stamp "deploykit serve $model: exit $?"
-  fi
-  if has_step triton; then
-    rm -rf "$WORK/repo"
-    python3 -m deploykit export triton "$bundle" "$WORK/repo" --platform python --device "$device" \
-      --instances "${TRITON_INSTANCES:-1}" > "$OUT/export-$model.log" 2>&1
-    python3 - "$WORK/repo" > "$OUT/triton-$model.log" 2>&1 <<'PY' &
+rounds=${ROUNDS:-1}
+for round in $(seq "$rounds"); do  # ROUNDS=N: the servers one after the other, N times (roundK/)
+  results=$OUT; [ "$rounds" = 1 ] || results=$OUT/round$round
+  mkdir -p "$results"
+  for model in $models; do
+    bundle=$WORK/$model-$precision
+    if has_step serve; then
+      python3 -m deploykit serve "$bundle" --device "$device" --workers "$workers" --instances "$instances" --max-batch $max_batch ${SERVE_ARGS:-} \
+        --no-access-log --port 18000 > "$results/serve-$model.log" 2>&1 &
+      server=$!
+      wait_for "$results/serve-$model.log" "serving at" 240 $server && sweep "serve-$model" "$model-$precision" 18000 $server
+      kill -TERM $server; wait $server; stamp "deploykit serve $model: exit $?"
+    fi
+    if has_step triton; then
+      rm -rf "$WORK/repo"
+      python3 -m deploykit export triton "$bundle" "$WORK/repo" --platform python --device "$device" \
+        --instances "${TRITON_INSTANCES:-1}" > "$results/export-$model.log" 2>&1
+      python3 - "$WORK/repo" > "$results/triton-$model.log" 2>&1 <<'PY' &
 import os, sys
 from deploykit.tools import triton_tools
 server = triton_tools.tritonserver()
 os.execvpe(server.command[0], [*server.command, "--model-repository", sys.argv[1], "--http-port", "18001",
                                "--grpc-port", "18002", "--metrics-port", "18003"], server.env)
 PY
-    server=$!
-    wait_for "$OUT/triton-$model.log" "Started HTTPService" 300 $server && sweep "triton-$model" "$model-$precision" 18001 $server
-    kill -TERM $server; wait $server; stamp "tritonserver $model: exit $?"
-  fi
+      server=$!
+      wait_for "$results/triton-$model.log" "Started HTTPService" 300 $server && sweep "triton-$model" "$model-$precision" 18001 $server
+      kill -TERM $server; wait $server; stamp "tritonserver $model: exit $?"
+    fi
+  done
 done
 
 python3 "$root/benchmarks/summarize_issue25.py" "$OUT" > "$OUT/summary.md"
 cat "$OUT/summary.md"
-(cd "$OUT" && shopt -s nullglob && tar czf results.tgz --remove-files ./serve-* ./triton-* ./export-* ./convert*)
+(cd "$OUT" && shopt -s nullglob && tar czf results.tgz --remove-files ./serve-* ./triton-* ./export-* ./convert* ./round*)

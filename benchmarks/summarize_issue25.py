@@ -1,6 +1,8 @@
 """The servers x concurrency table of benchmarks/run_issue25_device.sh (or of any folder laid out
 as it lays them out: ``SERVER-MODEL/cLEVEL/perf_analyzer.json`` and ``busy.txt``), and a
-throughput-against-p99 plot of it.
+throughput-against-p99 plot of it. Where the servers were measured in several rounds, one after
+the other (``roundN/SERVER-MODEL/...``, ROUNDS=N), each number is the median over the rounds and the
+table shows the rounds' lowest and highest throughput: on a noisy machine one round proves little.
 
 Usage: python benchmarks/summarize_issue25.py RESULTS [--plot FILE.png]   (markdown on stdout)
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 from pathlib import Path
 
 
@@ -25,7 +28,32 @@ def main() -> None:
 
 
 def collect(results: Path) -> list[dict]:
-    """One row per server, model and concurrency level, in the order the folders sort."""
+    """One row per server, model and concurrency level: of the one run, or the medians over ``round*/``."""
+    rounds = sorted(path for path in results.glob("round*") if path.is_dir())
+    if not rounds:
+        return collect_run(results)
+    measured: dict[tuple, list[dict]] = {}
+    for folder in rounds:
+        for row in collect_run(folder):
+            measured.setdefault((row["server"], row["model"], row["concurrency"]), []).append(row)
+    return [median_row(found) for found in measured.values()]
+
+
+def median_row(found: list[dict]) -> dict:
+    """The median of each number over the rounds that measured one; errors summed; failures kept."""
+    def median(key):
+        values = [row[key] for row in found if row[key] is not None]
+        return statistics.median(values) if values else None
+
+    failures = sorted({row["failure"] for row in found if row["failure"]})
+    throughputs = [row["throughput"] for row in found if row["throughput"]]
+    return {**found[0], **{key: median(key) for key in ("throughput", "p50_ms", "p95_ms", "p99_ms", "busy")},
+            "errors": sum(row["errors"] for row in found), "failure": "; ".join(failures) or None,
+            "spread": (min(throughputs), max(throughputs), len(found)) if throughputs else None}
+
+
+def collect_run(results: Path) -> list[dict]:
+    """One row per server, model and concurrency level of one run, in the order the folders sort."""
     rows = []
     for level_dir in sorted(results.glob("*-*/c*"), key=_order):
         server, model = level_dir.parent.name.split("-", 1)
@@ -53,16 +81,26 @@ def table(rows: list[dict]) -> str:
     def number(value, digits: int = 2) -> str:
         return "" if value is None else f"{value:.{digits}f}"
 
+    rounds = any(r.get("spread") for r in rows)
     lines = ["| model | server | concurrency | infer/s | p50 ms | p95 ms | p99 ms | errors | GPU busy % | "
-             "serve / triton |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "serve / triton |" + (" infer/s lowest-highest (rounds) |" if rounds else ""),
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if rounds else "")]
     triton = {(r["model"], r["concurrency"]): r["throughput"] for r in rows if r["server"] == "triton"}
     for r in rows:
         other = triton.get((r["model"], r["concurrency"]))
         ratio = r["throughput"] / other if r["server"] == "serve" and r["throughput"] and other else None
         lines.append(f"| {r['model']} | {r['server']} | {r['concurrency']} | {number(r['throughput'], 0)} | "
                      f"{number(r['p50_ms'])} | {number(r['p95_ms'])} | {number(r['p99_ms'])} | {r['errors']} | "
-                     f"{number(r['busy'], 0)} | {number(ratio)} |" + (f" {r['failure']}" if r["failure"] else ""))
+                     f"{number(r['busy'], 0)} | {number(ratio)} |" + (_spread(r) if rounds else "")
+                     + (f" {r['failure']}" if r["failure"] else ""))
     return "\n".join(lines)
+
+
+def _spread(row: dict) -> str:
+    if not row.get("spread"):
+        return "  |"
+    low, high, count = row["spread"]
+    return f" {low:.0f}-{high:.0f} ({count}) |"
 
 
 def plot(rows: list[dict], path: Path) -> None:

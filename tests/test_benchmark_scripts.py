@@ -47,3 +47,22 @@ def test_the_serve_against_triton_summary_pairs_levels_and_plots(tmp_path):
     assert rows[0] == "| resnet50 | serve | 16 | 3000 | 1.00 | 2.00 | 3.00 | 0 | 85 | 3.00 |"
     assert rows[1].startswith("| resnet50 | serve | 128 |  |") and rows[1].endswith("| 2 |  |  | Thread [0] had error")
     assert (tmp_path / "throughput_p99.png").stat().st_size > 0
+
+
+def test_the_summary_of_several_rounds_takes_medians(tmp_path):
+    """ROUNDS=N: each number is the median over the rounds, with the throughput's range and count."""
+    import json
+
+    for index, (serve, triton) in enumerate([(300.0, 200.0), (100.0, 210.0), (280.0, 190.0)]):
+        for server, throughput in (("serve", serve), ("triton", triton)):
+            folder = tmp_path / f"round{index + 1}" / f"{server}-tiny" / "c8"
+            folder.mkdir(parents=True)
+            result = {"protocol": "http", "concurrency": 8, "throughput": throughput, "p50_ms": index + 1.0,
+                      "p95_ms": 2.0, "p99_ms": 10.0 * (index + 1), "errors": index, "failure": None}
+            (folder / "perf_analyzer.json").write_text(json.dumps({"results": [result]}))
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "summarize_issue25.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| tiny")]
+    assert rows == ["| tiny | serve | 8 | 280 | 2.00 | 2.00 | 20.00 | 3 |  | 1.40 | 100-300 (3) |",
+                    "| tiny | triton | 8 | 200 | 2.00 | 2.00 | 20.00 | 3 |  |  | 190-210 (3) |"]
