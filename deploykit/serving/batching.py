@@ -29,7 +29,7 @@ from deploykit.errors import BadInputError
 from deploykit.serving.gpu_health import lost_context, lost_message
 from deploykit.serving.models import ServedModel
 from deploykit.serving.protocol import RequestError
-from deploykit.serving.staging import PinnedStaging, Staging
+from deploykit.serving.staging import PinnedStaging
 
 log = logging.getLogger("deploykit.serve")
 
@@ -45,12 +45,10 @@ class Pending:
 class Batcher:
     """The queue and workers of one model. ``submit`` returns a Future of its outputs."""
 
-    def __init__(self, model: ServedModel, max_delay_s: float, max_queue: int, metrics, on_lost=None,
-                 staging_for=PinnedStaging.for_runner):
-        """``on_lost(message)``: once, when a failed run on a GPU finds its CUDA context lost (``gpu_health``);
-        ``staging_for(runner)``: where a worker assembles its runner's batches (``staging``; None: numpy)."""
+    def __init__(self, model: ServedModel, max_delay_s: float, max_queue: int, metrics, on_lost=None):
+        """``on_lost(message)``: once, when a failed run on a GPU finds its CUDA context lost (``gpu_health``)."""
         self.model, self.max_delay, self.max_queue, self.metrics = model, max_delay_s, max_queue, metrics
-        self.on_lost, self.staging_for = on_lost, staging_for
+        self.on_lost = on_lost
         self._queue: collections.deque[Pending] = collections.deque()
         self._rows = 0  # the rows in _queue, kept as it changes: workers ask on every wake-up
         self._arriving = 0  # requests being read and parsed, which may still join a batch
@@ -115,7 +113,7 @@ class Batcher:
             self._warm_up(runner)
         finally:
             warm.set()
-        staging = self.staging_for(runner) if self.model.batching else None
+        staging = PinnedStaging.for_runner(runner) if self.model.batching else None
         while (batch := self._take()) is not None:
             if batch:
                 self._run(runner, batch, staging)
@@ -164,7 +162,7 @@ class Batcher:
     def _padded(self, rows: int) -> bool:
         return _bucket(self.model.buckets, rows) != rows
 
-    def _run(self, runner, batch: list[Pending], staging: Staging | None) -> None:
+    def _run(self, runner, batch: list[Pending], staging: PinnedStaging | None) -> None:
         started = time.perf_counter()
         rows = [p.rows for p in batch]
         try:
@@ -194,17 +192,17 @@ class Batcher:
 
 
 def run_rows(model: ServedModel, runner, requests: list[dict[str, np.ndarray]], rows: list[int],
-             staging: Staging | None = None) -> list[dict]:
+             staging: PinnedStaging | None = None) -> list[dict]:
     """Several checked requests (``ServedModel.check`` gave their rows) in one run of ``runner``:
     their rows concatenated in order (in ``staging``'s buffers when given) and padded up to the
     bucket, the outputs split back by request. ``deploykit serve``'s batcher and the Triton python
     model both run batches through here."""
     outputs = runner.run(_batch_feeds(model, requests, sum(rows), staging))
-    return _split(model, outputs if staging is None else staging.outputs(outputs), rows)
+    return _split(model, outputs, rows)
 
 
 def _batch_feeds(model: ServedModel, requests: list[dict[str, np.ndarray]], rows: int,
-                 staging: Staging | None) -> dict:
+                 staging: PinnedStaging | None) -> dict[str, np.ndarray]:
     """One feed per input: the requests' rows in order, zero rows padded up to the bucket."""
     if not model.batching:
         return requests[0]

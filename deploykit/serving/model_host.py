@@ -39,7 +39,6 @@ from pathlib import Path
 import numpy as np
 
 from deploykit.serving.protocol import RequestError
-from deploykit.serving.staging import DeviceStaging, HostRegistry
 
 log = logging.getLogger("deploykit.serve")
 #: Alignment of each tensor in a request buffer: our kernels refuse misaligned pointers.
@@ -334,10 +333,9 @@ def _packed(request: int, answer, buffer: mmap.mmap | None) -> tuple:
     return request, "shm", layout
 
 
-def serve_workers(connections: list, batchers: dict, outbox: Outbox, registry: HostRegistry | None = None) -> None:
+def serve_workers(connections: list, batchers: dict, outbox: Outbox) -> None:
     """Answer the workers' requests until each has closed its pipe; each runs in its model's batcher.
-    One thread reads every pipe: a thread per worker would only contend for the GIL. ``registry``:
-    where the models run on a GPU, each request buffer is page-locked when first mapped."""
+    One thread reads every pipe: a thread per worker would only contend for the GIL."""
     mapped: dict[str, mmap.mmap] = {}  # buffer paths are unique across workers (``w<index>-<n>``)
     live = list(connections)
     while live:
@@ -348,12 +346,10 @@ def serve_workers(connections: list, batchers: dict, outbox: Outbox, registry: H
                 live.remove(connection)
                 continue
             if message[0] == "forget":
-                memory = mapped.pop(message[1], None)  # unmapped once the last array viewing it is gone
-                if memory is not None and registry is not None:
-                    registry.remove(memory)
+                mapped.pop(message[1], None)  # unmapped once the last array viewing it is gone
                 continue
             _, request, name, tensors, rows = message
-            arrays, buffer = _arrays(tensors, mapped, registry)
+            arrays, buffer = _arrays(tensors, mapped)
             try:
                 future = batchers[name].submit(arrays, rows)
             except RequestError as error:
@@ -367,9 +363,8 @@ def _answer(outbox: Outbox, connection, request: int, buffer: mmap.mmap | None, 
     outbox.put(connection, request, done.exception() or done.result(), buffer)
 
 
-def _arrays(tensors: tuple, mapped: dict[str, mmap.mmap],
-            registry: HostRegistry | None = None) -> tuple[dict[str, np.ndarray], mmap.mmap | None]:
-    """A request's arrays, and its mapped buffer where it came in one (page-locked by ``registry``)."""
+def _arrays(tensors: tuple, mapped: dict[str, mmap.mmap]) -> tuple[dict[str, np.ndarray], mmap.mmap | None]:
+    """A request's arrays, and its mapped buffer where it came in one."""
     kind, *where = tensors
     if kind == "inline":
         return where[0], None
@@ -378,8 +373,6 @@ def _arrays(tensors: tuple, mapped: dict[str, mmap.mmap],
     if memory is None:
         with open(path, "r+b") as file:
             memory = mapped[path] = mmap.mmap(file.fileno(), 0)
-        if registry is not None:
-            registry.add(memory)
     return _read(memory, layout), memory
 
 
@@ -411,17 +404,15 @@ def run_model_process(paths, options, limits, connections, events) -> None:
         lost.append(message)
         stopping.set()
 
-    batchers = {model.name: Batcher(model, limits.max_delay_ms / 1e3, limits.max_queue, metrics, on_lost=stop_lost,
-                                    staging_for=DeviceStaging.for_runner)
+    batchers = {model.name: Batcher(model, limits.max_delay_ms / 1e3, limits.max_queue, metrics, on_lost=stop_lost)
                 for model in models}
-    registry = HostRegistry.for_runners([runner for model in models for runner in model.runners])
     for batcher in batchers.values():
         batcher.wait_warm()
     views = [model_view(model) for model in models]
     for connection in connections:
         connection.send(views)
     outbox = Outbox()
-    answering = threading.Thread(target=serve_workers, args=(connections, batchers, outbox, registry), daemon=True)
+    answering = threading.Thread(target=serve_workers, args=(connections, batchers, outbox), daemon=True)
     answering.start()
     events.put(("models", None, [(model.name, model.notes, model_summary(model)) for model in models]))
     while not stopping.is_set() and answering.is_alive():

@@ -43,7 +43,6 @@ class TunedRunner(Runner):
         first = routes[0].runner
         super().__init__(device, first.inputs, first.outputs, notes=notes, bundle=bundle, name=f"tuned-{device}")
         self.routes = sorted(routes, key=lambda route: route.batch)
-        self.device_id = first.device_id
         self.fallback, self.no_fallback = fallback, no_fallback
         for runner in self.runners():
             self.warnings += [note for note in runner.warnings if note not in self.warnings]

@@ -20,7 +20,6 @@ class Runner:
 
     backend = "?"
     allow_unvalidated = False  # run batches outside the validated range, noting them (refused otherwise)
-    device_id = 0  # which GPU, where device is "cuda"
 
     def __init__(self, device: str, inputs: list[dict], outputs: list[dict], *, notes: list[str] | None = None,
                  name: str | None = None, bundle=None):

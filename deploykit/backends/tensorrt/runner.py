@@ -38,7 +38,7 @@ class TensorRTRunner(Runner):
         problem = compat.engine_problem_here(requirements)
         if problem:
             raise EnvironmentProblem(f"cannot run {what} here: {problem}")
-        self.what, self.cast_inputs, self.device_id = what, cast_inputs, device_id
+        self.what, self.cast_inputs = what, cast_inputs
         self.flavour = load_tensorrt(requirements["flavour"])
         self.memory = device_memory(device_id)
         self._runtime, self.engine = deserialize(self.flavour, engine, host_code)
