@@ -11,6 +11,7 @@ import errno
 import logging
 import multiprocessing
 import os
+import socket
 import threading
 from pathlib import Path
 
@@ -65,11 +66,19 @@ def host(tmp_path):
     link = HostLink(theirs, tmp_path, "w0")
     yield link, runner, ours
     link.close()
-    theirs.close()
+    _hang_up(theirs)
     answering.join(10)
     batcher.close()
     outbox.close()
     ours.close()
+
+
+def _hang_up(connection) -> None:
+    """End a worker's pipe as its process's exit does: both ends see EOF at once (closing a connection that
+    another thread of this process is reading leaves the socket open, and the model side waiting)."""
+    with socket.socket(fileno=os.dup(connection.fileno())) as end:
+        end.shutdown(socket.SHUT_RDWR)
+    connection.close()
 
 
 def request(rows: int, seed: int) -> dict[str, np.ndarray]:

@@ -9,6 +9,7 @@ changes one works on a copy.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -36,13 +37,20 @@ def source_of(bundle: Path) -> str:
     return json.loads((bundle / "manifest.json").read_text())["source"]
 
 
-@pytest.fixture
-def tuned(tmp_path) -> Path:
-    """A copy of the tabular bundle tuned on this CPU against its source model, through the CLI."""
-    bundle = copy_bundle("tabular", tmp_path)
+@pytest.fixture(scope="module")
+def tuned_once(tmp_path_factory) -> Path:
+    """The tabular bundle tuned on this CPU against its source model, through the CLI (once per module:
+    a tune takes about 10 s on 2 cores)."""
+    bundle = copy_bundle("tabular", tmp_path_factory.mktemp("tuned"))
     result = cli("tune", bundle, "--factory", "model_zoo:tabular", "--device", "cpu", *FAST)
     assert result.returncode == 0, result.stderr
     return bundle
+
+
+@pytest.fixture
+def tuned(tuned_once, tmp_path) -> Path:
+    """A copy of the tuned bundle that a test may change."""
+    return Path(shutil.copytree(tuned_once, tmp_path / tuned_once.name))
 
 
 def features(batch: int) -> np.ndarray:
@@ -286,8 +294,6 @@ def test_bench_times_reduce_overhead_and_the_default_runner(tmp_path, tuned):
 @pytest.fixture(scope="module")
 def aoti_bundle(tmp_path_factory) -> Path:
     """tiny_conv with static and dynamic CPU AOTI packages (batch 1:2:4), tuned through the CLI."""
-    import shutil
-
     from converted_bundles import converted_aoti
 
     bundle = Path(shutil.copytree(converted_aoti(), tmp_path_factory.mktemp("aoti") / "bundle"))
@@ -310,7 +316,6 @@ def test_tune_times_the_aoti_packages(aoti_bundle):
 
 
 def test_load_routes_to_aoti_choices_and_matches_onnxruntime(aoti_bundle, tmp_path):
-    import shutil
 
     bundle = Path(shutil.copytree(aoti_bundle, tmp_path / "bundle"))
 
@@ -331,8 +336,6 @@ def test_load_routes_to_aoti_choices_and_matches_onnxruntime(aoti_bundle, tmp_pa
 def test_static_packages_run_where_onnxruntime_cannot(aoti_bundle, tmp_path, monkeypatch):
     """On a GPU machine with AOTInductor but no onnxruntime-gpu, the sizes the packages take run
     and the others are refused with the reason, instead of the whole load failing."""
-    import shutil
-
     from deploykit.errors import EnvironmentProblem
     from deploykit.tuning import route
 
@@ -363,7 +366,6 @@ def test_static_packages_run_where_onnxruntime_cannot(aoti_bundle, tmp_path, mon
 
 
 def test_an_aoti_choice_for_another_torch_gives_way_to_onnxruntime(aoti_bundle, tmp_path):
-    import shutil
 
     bundle = Path(shutil.copytree(aoti_bundle, tmp_path / "bundle"))
 
