@@ -71,13 +71,13 @@ def test_fused_ops_are_counted_and_validated(tmp_path, name, precision):
         runner = deploykit.load(tmp_path / "bundle", device="cpu")
         feeds = random_feeds([InputSpec.parse(spec) for spec in CASES[name][0]], seed=5)
         assert np.isfinite(runner.run(feeds)["output"]).all()
+        no_fusions_writes_plain_onnx_with_more_casts(tmp_path / "plain", name, report)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(CASES))
-def test_no_ort_fusions_writes_plain_onnx_and_fewer_casts_with_them(tmp_path, name):
-    fused, _ = converted(tmp_path / "fused", name, "--precision", "fp16")
-    plain, model = converted(tmp_path / "plain", name, "--precision", "fp16", "--no-ort-fusions")
+def no_fusions_writes_plain_onnx_with_more_casts(tmp_path, name: str, fused: dict) -> None:
+    """--no-ort-fusions: no contrib op, no ort_fusions pass, and at least as many casts and more nodes
+    in the fp16 graph than with the fusions (``fused``: that conversion's report)."""
+    plain, model = converted(tmp_path, name, "--precision", "fp16", "--no-ort-fusions")
     assert plain["ort_fusions"] == {"enabled": False, "ops": {}, "engine_graph": None} and not contrib_ops(model)
     assert "ort_fusions" not in [p["name"] for p in plain["passes"]]
     assert fused["precision"]["casts"] <= plain["precision"]["casts"]
