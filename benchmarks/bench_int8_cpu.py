@@ -1,7 +1,7 @@
 """int8 against fp32 on this CPU: ``deploykit convert --precision int8`` vs the fp32 bundle, in ONNX Runtime.
 
     python benchmarks/bench_int8_cpu.py [--model resnet18] [--work DIR] [--batches 1,8] [--rounds 7]
-                                        [--out results/int8.json]
+                                        [--auto-fix] [--out results/int8.json]
 
 A torchvision classifier (``--model``, default resnet18) with random weights and BatchNorm statistics
 measured on random images
@@ -160,6 +160,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--method", default="minmax", choices=["minmax", "entropy", "percentile"])
+    parser.add_argument("--auto-fix", action="store_true", help="convert the int8 bundle with --auto-fix")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -169,7 +170,7 @@ def main() -> None:
     np.savez(args.work / "calibration.npz", x=samples)
     fp32 = convert(model, args.work / "fp32")
     int8 = convert(model, args.work / "int8", "--precision", "int8", "--calibration", str(args.work / "calibration.npz"),
-                   "--calibration-method", args.method)
+                   "--calibration-method", args.method, *(["--auto-fix"] if args.auto_fix else []))
     from deploykit.conversion.quantize import QUANTIZED_OPS
 
     plain = plain_export(args.model, args.work, args.image)
@@ -188,6 +189,8 @@ def main() -> None:
     print(f"{args.model} {args.image}x{args.image}, onnxruntime {onnxruntime.__version__}, {os.cpu_count()} CPUs; "
           f"int8 convert verdict {int8['verdict']} ({int8['convert_s']:.0f} s), "
           f"{int8['precision']['nodes']['int8']} int8 / {int8['precision']['nodes']['float']} float nodes")
+    if fix := int8["precision"].get("auto_fix"):
+        print(f"auto-fix: {fix['stopped']}; kept float: {', '.join(entry['node'] for entry in fix['kept_float'])}")
     print("| batch | graph | p50 ms | fp32 / graph |")
     print("| ---: | --- | ---: | ---: |")
     for batch, times in timings.items():

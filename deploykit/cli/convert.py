@@ -172,7 +172,19 @@ def _int8_lines(info: dict) -> list[str]:
         by_reason.setdefault(node["reason"], collections.Counter())[node["op"]] += 1
     for reason, ops in by_reason.items():  # one line per reason: report.json names every node
         lines.append(f"  float: {', '.join(f'{count} {op}' for op, count in ops.most_common())}: {reason}")
+    if fix := info.get("auto_fix"):
+        lines += [f"  auto-fix round {index}: {_count(len(entry['kept_float']), 'node')} in float, "
+                  f"{'pass' if entry['passed'] else 'fail'}" + _cost(entry, fix["quantized_ms"])
+                  for index, entry in enumerate(fix["rounds"], 1)]
+        lines.append(f"  auto-fix: {fix['stopped']}")
     return lines
+
+
+def _cost(entry: dict, quantized_ms: float | None) -> str:
+    """A round's latency beside the fully quantized graph's (this CPU, the failing feeds' batch)."""
+    if entry["latency_ms"] is None or not quantized_ms:
+        return ""
+    return f", {entry['latency_ms']:.2f} ms a run against {quantized_ms:.2f} ms fully quantized ({entry['cost']:.2f}x)"
 
 
 def _count(number: int, noun: str) -> str:

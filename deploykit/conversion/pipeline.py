@@ -33,7 +33,7 @@ from deploykit.conversion.export import check_program_batch, export_onnx
 from deploykit.conversion.loading import LoadedModel, load_model
 from deploykit.conversion.options import ConvertOptions
 from deploykit.conversion.precision import PrecisionStage
-from deploykit.conversion import quantize
+from deploykit.conversion import quantize, quantize_fix
 from deploykit.conversion.report import build_report
 from deploykit.conversion.state import ConversionState
 from deploykit.errors import BadInputError, DeployKitError, error_summary
@@ -196,6 +196,28 @@ def _auto_fix(state: ConversionState) -> None:
                                  PLAIN_EXPORT)
 
 
+def _auto_fix_int8(state: ConversionState) -> None:
+    """Rank the quantized matrix products on the first feeds that failed, then keep the worst 1, 2, 4 ...
+    in float until validation passes (``quantize_fix``)."""
+    stage, library = state.quantization, state.library.path
+    index = next((i for i, run in enumerate(state.validations[0].runs) if not run.passed), 0)
+    feeds = state.feed_sets[index]
+    ranking = quantize_fix.rank_nodes(stage.fp32, stage.model, feeds, stage.fixable_nodes(), library)
+    stage.fix = fix = quantize_fix.Int8Fix(ranking, quantized_ms=quantize_fix.latency_ms(stage.model, feeds, library))
+    for size in quantize_fix.round_sizes(len(ranking), quantize_fix.MAX_FLOAT):
+        kept = quantize_fix.with_feeding_ops(stage.fp32, [r.node for r in ranking[:size]], quantize.QUANTIZED_OPS)
+        stage.requantize(kept)
+        state.validations = validate(state.reference, _shipped_candidates(state), state.feed_sets, state.tolerances,
+                                     PLAIN_EXPORT)
+        fix.rounds.append(quantize_fix.FixRound(kept, state.passed, quantize_fix.latency_ms(stage.model, feeds, library)))
+        if state.passed:
+            fix.stopped = f"passed with {len(kept)} node(s) in float"
+            return
+    fix.stopped = (f"still failing with the {len(fix.kept_float)} worst node(s) in float (the bound is "
+                   f"{quantize_fix.MAX_FLOAT}): calibrate on real data (--calibration) or convert with --precision fp16"
+                   if ranking else "no quantized matrix product to keep in float")
+
+
 def _write_bundle(state: ConversionState) -> None:
     state.created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     state.versions = tool_versions()
@@ -268,6 +290,11 @@ def _auto_fix_can_help(state: ConversionState) -> bool:
     return state.precision is not None and state.options.auto_fix and not state.passed
 
 
+def _int8_auto_fix_can_help(state: ConversionState) -> bool:
+    """--auto-fix on an int8 graph that failed."""
+    return state.quantization is not None and state.options.auto_fix and not state.passed
+
+
 #: What runs, in order, and when. The titles are the CLI's progress lines.
 STEPS = (
     Step("Loading the model", _load),
@@ -284,6 +311,7 @@ STEPS = (
     Step("Compiling AOTInductor packages (C++: slow)", _compile_aoti, _aoti_requested),
     Step("Validating against PyTorch", _validate),
     Step("Pinning the nodes that diverge to fp32 (--auto-fix)", _auto_fix, _auto_fix_can_help),
+    Step("Keeping the int8 nodes that diverge in float (--auto-fix)", _auto_fix_int8, _int8_auto_fix_can_help),
     Step("Writing the bundle", _write_bundle),
     Step("Timing what runs here (--tune)", _tune, _tune_requested),
 )

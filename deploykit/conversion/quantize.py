@@ -25,6 +25,7 @@ import onnx
 
 from deploykit.bundle.format import REFERENCE_MODEL
 from deploykit.conversion.export import declare_oldest_ir_version
+from deploykit.conversion.quantize_fix import FIXABLE_OPS, Int8Fix
 from deploykit.conversion.options import ConvertOptions
 from deploykit.errors import BadInputError
 from deploykit.passes.precision import NodePrecision, name_nodes
@@ -44,6 +45,8 @@ RANDOM_SAMPLES = 32
 RANDOM_SEED_OFFSET = 10_007
 _STANDARD_DOMAINS = ("", "ai.onnx")
 _QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+AUTO_FIX_REASON = ("kept in float by --auto-fix: its quantization added the most error to the outputs, or it "
+                   "quantizes the input of a node that did")
 RANDOM_DATA_NOTE = ("the int8 scales were calibrated on random inputs (no --calibration): they fit random data, "
                     "so this result proves nothing for real inputs; convert with --calibration data.npz "
                     "(several hundred real samples, named like the model's inputs)")
@@ -56,7 +59,6 @@ def check_options(options: ConvertOptions) -> None:
             raise BadInputError("--calibration and --calibration-method apply to int8: add --precision int8")
         return
     refused = {
-        "--auto-fix": options.auto_fix,
         "--io-precision": options.io_precision is not None,
         f"--backend {options.backend}": options.backend != "onnxruntime",
     }
@@ -124,6 +126,7 @@ class QuantizationStage:
     method: str
     calibration: Calibration
     nodes: list[NodePrecision]
+    fix: Int8Fix | None = None  # --auto-fix: what it kept in float, round by round
 
     @classmethod
     def start(cls, optimized: onnx.ModelProto, calibration: Calibration, method: str) -> QuantizationStage:
@@ -138,6 +141,15 @@ class QuantizationStage:
                                 f"({reason}); check their values (token ids within the vocabulary, indices "
                                 "in range)") from None
         return cls(fp32, model, method, calibration, node_precisions(fp32, model))
+
+    def requantize(self, kept_float: list[str]) -> None:
+        """Quantize the fp32 graph again (same samples and method) with ``kept_float`` left in float."""
+        self.model = quantize(self.fp32, self.calibration.batches, self.method, kept_float)
+        self.nodes = node_precisions(self.fp32, self.model, set(kept_float))
+
+    def fixable_nodes(self) -> set[str]:
+        """The quantized nodes auto-fix may keep in float."""
+        return {n.node for n in self.nodes if n.precision == "int8" and n.op in FIXABLE_OPS}
 
     def inconclusive_reasons(self, output_names: list[str]) -> dict[str, str]:
         """Every output, where the scales were fitted to random data: passing proves nothing for real inputs."""
@@ -156,11 +168,14 @@ class QuantizationStage:
             "nodes": {"int8": len(quantized), "float": len(self.nodes) - len(quantized)},
             "quantized_nodes": [n.node for n in quantized],
             "float_nodes": [n.to_json() for n in self.nodes if n.precision != "int8"],
+            "auto_fix": self.fix.to_json() if self.fix else None,
         }
 
 
-def quantize(model: onnx.ModelProto, batches: list[dict[str, np.ndarray]], method: str) -> onnx.ModelProto:
-    """``model`` quantized by ONNX Runtime's ``quantize_static`` (QDQ), calibrated on ``batches``."""
+def quantize(model: onnx.ModelProto, batches: list[dict[str, np.ndarray]], method: str,
+             kept_float: list[str] = ()) -> onnx.ModelProto:
+    """``model`` quantized by ONNX Runtime's ``quantize_static`` (QDQ), calibrated on ``batches``;
+    ``kept_float``: nodes auto-fix keeps in float."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
@@ -171,11 +186,44 @@ def quantize(model: onnx.ModelProto, batches: list[dict[str, np.ndarray]], metho
         quantize_static(
             source, target, _Batches(batches), quant_format=QuantFormat.QDQ, per_channel=True,
             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, calibrate_method=methods[method],
-            op_types_to_quantize=list(QUANTIZED_OPS), nodes_to_exclude=_foreign_nodes(model),
+            op_types_to_quantize=list(QUANTIZED_OPS), nodes_to_exclude=_foreign_nodes(model) + list(kept_float),
         )
         quantized = onnx.load_model(target)
+    if kept_float:
+        _read_float_inputs(quantized, set(kept_float))
     declare_oldest_ir_version(quantized)
     return quantized
+
+
+def _read_float_inputs(model: onnx.ModelProto, nodes: set[str]) -> None:
+    """``nodes`` read the float tensors themselves, not their QuantizeLinear/DequantizeLinear round trip.
+
+    Excluding a node from ``quantize_static`` keeps its weights float, but its activation input is
+    still quantized where the producer is (a quantized Gemm's output, a Relu folded into its
+    QuantizeLinear): the rounding auto-fix is removing would stay. Q/DQ pairs left unread go too."""
+    producers = {output: node for node in model.graph.node for output in node.output}
+    for node in model.graph.node:
+        if node.name not in nodes:
+            continue
+        for index, name in enumerate(node.input):
+            dequantize = producers.get(name)
+            if dequantize is None or dequantize.op_type != "DequantizeLinear":
+                continue
+            quantize_node = producers.get(dequantize.input[0])
+            if quantize_node is not None and quantize_node.op_type == "QuantizeLinear":
+                node.input[index] = quantize_node.input[0]
+    _remove_unread_qdq(model)
+
+
+def _remove_unread_qdq(model: onnx.ModelProto) -> None:
+    graph = model.graph
+    while True:
+        read = {name for node in graph.node for name in node.input} | {output.name for output in graph.output}
+        unread = [node for node in graph.node if node.op_type in _QDQ_OPS and not read & set(node.output)]
+        if not unread:
+            return
+        for node in unread:
+            graph.node.remove(node)
 
 
 class _Batches:
@@ -212,17 +260,20 @@ def _foreign_nodes(model: onnx.ModelProto) -> list[str]:
     return [node.name for node in model.graph.node if node.domain not in _STANDARD_DOMAINS]
 
 
-def node_precisions(fp32: onnx.ModelProto, quantized: onnx.ModelProto) -> list[NodePrecision]:
+def node_precisions(fp32: onnx.ModelProto, quantized: onnx.ModelProto,
+                    kept_float: set[str] = frozenset()) -> list[NodePrecision]:
     """Each node of the fp32 graph: int8 where it is an op type we quantize and the quantized graph
     feeds it dequantized int8 tensors (a Relu or Clip folded into its QuantizeLinear is gone: int8),
-    else float with the reason; a float node may read a DequantizeLinear too."""
+    else float with the reason (``kept_float``: by auto-fix); a float node may read a DequantizeLinear too."""
     producers = {output: node.op_type for node in quantized.graph.node for output in node.output}
     kept = {node.name: node for node in quantized.graph.node if node.op_type not in _QDQ_OPS}
     result = []
     for node in fp32.graph.node:
         after = kept.get(node.name)
         reads_int8 = after is None or any(producers.get(name) == "DequantizeLinear" for name in after.input)
-        if _quantizable(node) and reads_int8:
+        if node.name in kept_float:
+            result.append(NodePrecision(node.name, _label(node), "float", AUTO_FIX_REASON))
+        elif _quantizable(node) and reads_int8:
             result.append(NodePrecision(node.name, _label(node), "int8"))
         else:
             result.append(NodePrecision(node.name, _label(node), "float", _float_reason(node)))

@@ -174,13 +174,64 @@ def test_calibration_samples_the_model_cannot_run_are_one_line_exit_2(tmp_path):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--precision", "int8", "--auto-fix"], ["--auto-fix is not supported with --precision int8 yet"]),
     (["--precision", "int8", "--backend", "tensorrt"], ["--backend tensorrt is not supported with --precision int8"]),
     (["--calibration", "data.npz"], ["--calibration and --calibration-method apply to int8"]),
 ])
 def test_int8_refuses_what_it_does_not_do_yet(tmp_path, args, words):
     result = convert(tmp_path, "weights.pt", "--input", "x:1x3x8x8", *args, "-o", "bundle")
     assert_rejected(result, *words)
+
+
+def test_auto_fix_keeps_the_nodes_int8_breaks_in_float(tmp_path):
+    """A hidden feature 200x the others makes one uint8 scale crush the rest: plain int8 fails (exit 1);
+    --auto-fix ranks the head first, keeps it and the Relu that quantizes its input in float, passes,
+    says so in the console and the report, and the bundle runs in deploykit.load as validated."""
+    torch.manual_seed(0)
+    model = model_zoo.outlier_feature().eval()
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    np.savez(tmp_path / "calibration.npz", x=np.random.default_rng(5).standard_normal((64, 16), dtype=np.float32))
+    args = ["weights.pt", "--factory", "model_zoo:outlier_feature", "--input", "x:1x16", "--batch", "1:4:8",
+            "--precision", "int8", "--calibration", "calibration.npz"]
+    plain = convert(tmp_path, *args, "-o", "plain")
+    assert plain.returncode == 1 and "FAIL" in plain.stderr, plain.stderr
+    fixed = convert(tmp_path, *args, "--auto-fix", "-o", "fixed")
+    assert fixed.returncode == 0, fixed.stderr
+    assert "auto-fix round 1: 2 nodes in float, pass" in fixed.stderr and "auto-fix: passed" in fixed.stderr
+    precision = json.loads((tmp_path / "fixed" / "report.json").read_text())["precision"]
+    fix = precision["auto_fix"]
+    head = next(node for node in onnx.load(tmp_path / "fixed" / "model.fp32.onnx").graph.node
+                if "output" in node.output)
+    assert fix["kept_float"][0]["node"] == head.name and fix["kept_float"][0]["op"] == "Gemm"
+    assert [r["passed"] for r in fix["rounds"]] == [True] and fix["quantized_ms"] > 0
+    assert {n["op"] for n in precision["float_nodes"]} == {"Gemm", "Relu"} and precision["nodes"]["int8"] == 1
+    shipped = onnx.load(tmp_path / "fixed" / "model.onnx").graph
+    (head_after,) = [node for node in shipped.node if node.name == head.name]
+    producers = {output: node.op_type for node in shipped.node for output in node.output}
+    assert "DequantizeLinear" not in {producers.get(name) for name in head_after.input}, "the head reads float"
+    x = np.random.default_rng(7).standard_normal((5, 16), dtype=np.float32)
+    with torch.no_grad():
+        reference = model(torch.from_numpy(x)).numpy()
+    tolerances = parse_tolerances([], "int8", ["output"])
+    assert compare_output("output", reference, deploykit.load(tmp_path / "fixed", device="cpu")(x=x)["output"],
+                          tolerances["output"]).passed
+
+
+def test_auto_fix_rounds_and_the_ops_that_feed_a_kept_node():
+    from deploykit.conversion.quantize import QUANTIZED_OPS
+    from deploykit.conversion.quantize_fix import round_sizes, with_feeding_ops
+
+    assert round_sizes(40, 16) == [1, 2, 4, 8, 16] and round_sizes(5, 16) == [1, 2, 4, 5]
+    assert round_sizes(1, 16) == [1] and round_sizes(0, 16) == []
+    nodes = [onnx.helper.make_node("Conv", ["x", "w"], ["a"], name="conv"),
+             onnx.helper.make_node("Relu", ["a"], ["b"], name="relu"),
+             onnx.helper.make_node("MaxPool", ["b"], ["c"], name="pool", kernel_shape=[2, 2]),
+             onnx.helper.make_node("Softmax", ["c"], ["d"], name="softmax"),
+             onnx.helper.make_node("Add", ["c", "d"], ["e"], name="add"),
+             onnx.helper.make_node("Gemm", ["e", "g"], ["y"], name="head")]
+    graph = onnx.helper.make_graph(nodes, "g", [], [])
+    model = onnx.helper.make_model(graph)
+    # the Add, pooling and Relu quantize what the head reads; the Softmax is not quantized, the Conv is a product
+    assert sorted(with_feeding_ops(model, ["head"], QUANTIZED_OPS)) == ["add", "head", "pool", "relu"]
 
 
 def test_int8_tolerances_judge_by_cosine_and_top1():

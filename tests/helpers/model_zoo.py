@@ -259,6 +259,30 @@ def sum_pooling() -> nn.Module:
     return SumPooling()
 
 
+# --- a model that plain int8 quantization gets wrong (the test of int8 auto-fix) ---
+
+
+class OutlierFeature(nn.Module):
+    """A hidden layer with one feature 200x larger than the rest (the outlier features of large
+    transformers) that the head barely reads: one per-tensor uint8 scale for the hidden activation
+    leaves the other features a step or two, and the head's output is mostly quantization noise."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.head = nn.Linear(16, 64), nn.Linear(64, 10)
+        with torch.no_grad():
+            self.hidden.weight[0].mul_(200.0)
+            self.hidden.bias[0].add_(200.0)
+            self.head.weight[:, 0].mul_(0.001)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.hidden(x)))
+
+
+def outlier_feature() -> nn.Module:
+    return OutlierFeature()
+
+
 class ResidualStream(nn.Module):
     """A pre-LayerNorm transformer's residual stream without attention: the input scaled up,
     ``blocks`` x (LayerNorm -> MLP, added back), then summed over the tokens.
