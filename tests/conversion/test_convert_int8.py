@@ -203,6 +203,7 @@ def test_auto_fix_keeps_the_nodes_int8_breaks_in_float(tmp_path):
                 if "output" in node.output)
     assert fix["kept_float"][0]["node"] == head.name and fix["kept_float"][0]["op"] == "Gemm"
     assert [r["passed"] for r in fix["rounds"]] == [True] and fix["quantized_ms"] > 0
+    assert "--auto-fix: passed with 2 node(s) in float" in (tmp_path / "fixed" / "report.html").read_text()
     assert {n["op"] for n in precision["float_nodes"]} == {"Gemm", "Relu"} and precision["nodes"]["int8"] == 1
     shipped = onnx.load(tmp_path / "fixed" / "model.onnx").graph
     (head_after,) = [node for node in shipped.node if node.name == head.name]
