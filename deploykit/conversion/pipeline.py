@@ -213,8 +213,10 @@ def _auto_fix_int8(state: ConversionState) -> None:
         if state.passed:
             fix.stopped = f"passed with {len(kept)} node(s) in float"
             return
-    fix.stopped = (f"still failing with the {len(fix.kept_float)} worst node(s) in float (the bound is "
-                   f"{quantize_fix.MAX_FLOAT}): calibrate on real data (--calibration) or convert with --precision fp16"
+    kept_products = min(len(ranking), quantize_fix.MAX_FLOAT)
+    fix.stopped = (f"still failing with the {kept_products} worst of {len(ranking)} matrix products in float "
+                   f"({len(fix.kept_float)} nodes with the ops that feed them; the bound is {quantize_fix.MAX_FLOAT} "
+                   "products): calibrate on real data (--calibration) or convert with --precision fp16"
                    if ranking else "no quantized matrix product to keep in float")
 
 
