@@ -204,6 +204,7 @@ def _auto_fix_int8(state: ConversionState) -> None:
     feeds = state.feed_sets[index]
     ranking = quantize_fix.rank_nodes(stage.fp32, stage.model, feeds, stage.fixable_nodes(), library)
     stage.fix = fix = quantize_fix.Int8Fix(ranking, quantized_ms=quantize_fix.latency_ms(stage.model, feeds, library))
+    unfixed = stage.model, stage.nodes, state.validations
     for size in quantize_fix.round_sizes(len(ranking), quantize_fix.MAX_FLOAT):
         kept = quantize_fix.with_feeding_ops(stage.fp32, [r.node for r in ranking[:size]], quantize.QUANTIZED_OPS)
         stage.requantize(kept)
@@ -213,10 +214,13 @@ def _auto_fix_int8(state: ConversionState) -> None:
         if state.passed:
             fix.stopped = f"passed with {len(kept)} node(s) in float"
             return
+    # nothing passed: the fully quantized graph ships (as fast as int8 gets, and no worse than the rounds)
+    stage.model, stage.nodes, state.validations = unfixed
     kept_products = min(len(ranking), quantize_fix.MAX_FLOAT)
     fix.stopped = (f"still failing with the {kept_products} worst of {len(ranking)} matrix products in float "
-                   f"({len(fix.kept_float)} nodes with the ops that feed them; the bound is {quantize_fix.MAX_FLOAT} "
-                   "products): calibrate on real data (--calibration) or convert with --precision fp16"
+                   f"({len(fix.rounds[-1].kept_float)} nodes with the ops that feed them; the bound is {quantize_fix.MAX_FLOAT} "
+                   "products; the bundle keeps the fully quantized graph): calibrate on real data (--calibration) or "
+                   "convert with --precision fp16"
                    if ranking else "no quantized matrix product to keep in float")
 
 

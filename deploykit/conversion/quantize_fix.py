@@ -15,6 +15,7 @@ error is spread over every quantized tensor, so the ranking of what each node ad
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from pathlib import Path
@@ -37,7 +38,7 @@ TIMING_RUNS = 15
 class Ranked:
     node: str
     op: str
-    added_error: float  # relative error of its output less that of its input
+    added_error: float | None  # relative error of its output less that of its input; None: not measurable
 
 
 @dataclasses.dataclass
@@ -58,7 +59,8 @@ class Int8Fix:
 
     @property
     def kept_float(self) -> list[str]:
-        return self.rounds[-1].kept_float if self.rounds else []
+        """What the shipped graph keeps in float: the passing round's nodes (none when no round passed)."""
+        return self.rounds[-1].kept_float if self.rounds and self.rounds[-1].passed else []
 
     def to_json(self) -> dict:
         added = {r.node: r for r in self.ranking}
@@ -85,9 +87,10 @@ def rank_nodes(fp32: onnx.ModelProto, quantized: onnx.ModelProto, feeds: dict[st
             continue
         output = _relative_error(approximate.get(node.output[0]), exact.get(node.output[0]))
         upstream = _relative_error(approximate.get(node.input[0]), exact.get(node.input[0]))
-        if output is not None:
-            ranked.append(Ranked(node.name, node.op_type, output - (upstream or 0.0)))
-    return sorted(ranked, key=lambda r: r.added_error, reverse=True)
+        ranked.append(Ranked(node.name, node.op_type, None if output is None else output - (upstream or 0.0)))
+    # a product whose output the quantized graph renamed (a Relu folded into its QuantizeLinear takes the
+    # Relu's name) cannot be measured: it comes last, still a candidate
+    return sorted(ranked, key=lambda r: -math.inf if r.added_error is None else r.added_error, reverse=True)
 
 
 def with_feeding_ops(fp32: onnx.ModelProto, nodes: list[str], quantized_ops: tuple[str, ...]) -> list[str]:
