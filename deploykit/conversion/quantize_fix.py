@@ -5,11 +5,13 @@ The nodes are ranked once, on the validation inputs that failed: both graphs run
 tensor exposed (``layerwise.run_values``), and each quantized Conv, ConvTranspose, Gemm or MatMul
 is charged the relative error it adds -- that of its output against the fp32 graph's, less that
 of its input, which its producers caused. Rounds then keep the worst 1, 2, 4 ... of them in float
-(``quantize_static``'s ``nodes_to_exclude``, same calibration samples and method), each validated
-like the first quantization, until one passes or ``max_float`` nodes are reached. Each round's
-graph is timed on this CPU beside the fully quantized one, so the report says what the float
-nodes cost. Unlike fp16's auto-fix, a round does not look for a first diverging node: int8's
-error is spread over every quantized tensor, so the ranking of what each node adds is the signal.
+(``quantize_static``'s ``nodes_to_exclude``, same calibration samples and method; the quantized ops
+feeding a kept node stay float with it), each validated like the first quantization, until one
+passes or ``MAX_FLOAT`` products are reached; where none passes the fully quantized graph ships.
+Each round's graph is timed on this CPU beside the fully quantized one, so the report says what the
+float nodes cost. Unlike fp16's auto-fix, a round does not look for a first diverging node: int8's
+error is spread over every quantized tensor, so the ranking of what each node adds is the signal
+(on resnet50 a weak one: BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from deploykit.validation.layerwise import run_values
 #: Quantized ops that auto-fix may keep in float: the matrix products, where int8's error is made
 #: (the data movement and elementwise ops between them follow their producers).
 FIXABLE_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
-#: The most nodes auto-fix keeps in float (as fp16's auto-fix pins at most 16).
+#: The most matrix products auto-fix keeps in float (as fp16's auto-fix pins at most 16 nodes).
 MAX_FLOAT = 16
 #: Timing runs per graph (after two warm-up runs); the median is reported.
 TIMING_RUNS = 15
