@@ -17,9 +17,9 @@ error is spread over every quantized tensor, so the ranking of what each node ad
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +32,8 @@ from deploykit.validation.layerwise import run_values
 FIXABLE_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 #: The most matrix products auto-fix keeps in float (as fp16's auto-fix pins at most 16 nodes).
 MAX_FLOAT = 16
-#: Timing runs per graph (after two warm-up runs); the median is reported.
-TIMING_RUNS = 15
+#: Timing runs per graph (after two warm-up runs), within this many seconds; the median is reported.
+TIMING_RUNS, TIMING_SECONDS = 15, 20.0
 
 
 @dataclasses.dataclass
@@ -85,7 +85,7 @@ def rank_nodes(fp32: onnx.ModelProto, quantized: onnx.ModelProto, feeds: dict[st
     exact, approximate = run_values(fp32, feeds, op_library), run_values(quantized, feeds, op_library)
     ranked = []
     for node in fp32.graph.node:
-        if node.name not in candidates or node.op_type not in FIXABLE_OPS:
+        if node.name not in candidates:
             continue
         output = _relative_error(approximate.get(node.output[0]), exact.get(node.output[0]))
         upstream = _relative_error(approximate.get(node.input[0]), exact.get(node.input[0]))
@@ -123,18 +123,14 @@ def round_sizes(candidates: int, max_float: int) -> list[int]:
 
 
 def latency_ms(model: onnx.ModelProto, feeds: dict[str, np.ndarray], op_library: Path | None = None) -> float:
-    """Median wall time of one ONNX Runtime CPU run of ``model`` on ``feeds``."""
+    """Median wall time of one ONNX Runtime CPU run of ``model`` on ``feeds`` (``tuning.timing``'s host clock)."""
     from deploykit.backends.onnxruntime.runner import OnnxRuntimeRunner
+    from deploykit.tuning.timing import call_timer, time_calls, warm_up
 
     runner = OnnxRuntimeRunner.from_model(model, op_library)
-    for _ in range(2):
-        runner.run(feeds)
-    times = []
-    for _ in range(TIMING_RUNS):
-        started = time.perf_counter()
-        runner.run(feeds)
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
+    step = functools.partial(runner.run, feeds)
+    warm_up(step, 2)
+    return statistics.median(time_calls(step, TIMING_RUNS, TIMING_SECONDS, call_timer("cpu"))) * 1e3
 
 
 def _relative_error(approximate, exact) -> float | None:
