@@ -16,6 +16,10 @@
 # serve:   deploykit serve --workers $WORKERS (HTTP processes; default 8 on a GPU, 1 on a CPU) --instances
 #          $INSTANCES (runners in the model process; default 2 on a GPU, 1 on a CPU) on $DEVICE; triton: tritonserver
 #          on the python export, $TRITON_INSTANCES instances (default 1). $SERVE_ARGS: more options for serve.
+# gputests: `pytest tests/gpu` on $GPU_TEST_WORKERS pytest-xdist workers (default 4), one module a worker, after
+#          setup (which unpacks .gpu/test-tools.tar.xz: the op library's headers and pytest-xdist); onnxruntime-gpu
+#          must be on PYTHONPATH (../shared/GPU.md). Log: $OUT/gpu-tests.log; in the background when BACKGROUND=1
+#          (then wait with STEPS=gputests-wait, which copies the log).
 # GPU busy %: nvidia-smi's utilization sampled every 200 ms during each concurrency level (busy.txt beside it).
 # PROFILE_LEVEL=N (with py-spy on PATH): every server process's Python stacks sampled for 10 s during level N
 # (py-spy-PID.txt beside its CSV; raw format: one line per distinct stack, then its sample count).
@@ -50,6 +54,10 @@ if has_step setup; then
   # prometheus-client), unzipped wheels, used only when this Python lacks them.
   mkdir -p "$DEPLOYKIT_CACHE/triton"
   [ -d "$DEPLOYKIT_CACHE/triton/2.51.0" ] || xz -dc "$root/.gpu/triton-cache.tar.xz" | tar x -C "$DEPLOYKIT_CACHE/triton"
+  if [ -f "$root/.gpu/test-tools.tar.xz" ] && [ ! -d /tmp/test-site ]; then
+    mkdir -p /tmp/test-tools && xz -dc "$root/.gpu/test-tools.tar.xz" | tar x -C /tmp/test-tools
+    cp -rn /tmp/test-tools/headers "$DEPLOYKIT_CACHE/" && mv /tmp/test-tools/site /tmp/test-site
+  fi
   site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
   rm -f "$site/deploykit-checkout.pth"  # a warm machine's, from an earlier call: judge this Python without it
   paths="$root"
@@ -57,6 +65,7 @@ if has_step setup; then
     [ -d /tmp/serve-site ] || { mkdir -p /tmp/serve-site && xz -dc "$root/.gpu/serve-site.tar.xz" | tar x -C /tmp/serve-site; }
     paths="$paths"$'\n'/tmp/serve-site
   fi
+  [ -d /tmp/test-site ] && paths="$paths"$'\n'/tmp/test-site
   echo "$paths" > "$site/deploykit-checkout.pth"
   python3 -c 'import fastapi, uvicorn, prometheus_client, deploykit; print("serving packages: ok")'
   python3 -c 'import tritonclient.http' 2> /dev/null && echo "tritonclient: installed" || echo "tritonclient: missing"
@@ -89,6 +98,24 @@ elif has_step convert; then
   else
     convert; stamp "converted"
   fi
+fi
+if has_step gputests; then
+  gpu_tests() {
+    cd "$root" && python3 -m pytest tests/gpu -n "${GPU_TEST_WORKERS:-4}" --dist loadscope -p no:cacheprovider \
+      -rfEs --tb=short --durations=20 > "$WORK.gpu-tests.log" 2>&1
+    echo "exit $?" >> "$WORK.gpu-tests.log"
+  }
+  if [ "${BACKGROUND:-0}" = 1 ]; then
+    export -f gpu_tests; export root WORK
+    setsid nohup bash -c gpu_tests > /dev/null 2>&1 < /dev/null &
+    stamp "tests/gpu in the background (log: $WORK.gpu-tests.log)"
+  else
+    gpu_tests; cp "$WORK.gpu-tests.log" "$OUT/gpu-tests.log"; stamp "tests/gpu: $(tail -n 2 "$OUT/gpu-tests.log" | head -n 1)"
+  fi
+fi
+if has_step gputests-wait; then
+  until grep -q '^exit ' "$WORK.gpu-tests.log" 2> /dev/null; do sleep 5; done
+  cp "$WORK.gpu-tests.log" "$OUT/gpu-tests.log"; stamp "tests/gpu: $(tail -n 2 "$OUT/gpu-tests.log" | head -n 1)"
 fi
 if has_step wait; then
   while [ ! -f "$WORK/converted" ]; do sleep 5; done
@@ -172,6 +199,8 @@ PY
   done
 done
 
-python3 "$root/benchmarks/summarize_issue25.py" "$OUT" > "$OUT/summary.md"
-cat "$OUT/summary.md"
-(cd "$OUT" && shopt -s nullglob && tar czf results.tgz --remove-files ./serve-* ./triton-* ./export-* ./convert* ./round*)
+if has_step serve || has_step triton; then
+  python3 "$root/benchmarks/summarize_issue25.py" "$OUT" > "$OUT/summary.md"
+  cat "$OUT/summary.md"
+  (cd "$OUT" && shopt -s nullglob && tar czf results.tgz --remove-files ./serve-* ./triton-* ./export-* ./convert* ./round*)
+fi

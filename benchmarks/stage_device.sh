@@ -18,6 +18,11 @@
 #                        the triton cache has perf_analyzer). setup untars it into /tmp/serve-site when
 #                        that machine's Python lacks them. Versions: this venv's (pip freeze) where
 #                        installed, else the newest; tritonclient is pinned to the server's 2.51.0.
+#   test-tools.tar.xz    what `pytest tests/gpu` needs there and cannot fetch: headers/ (this machine's
+#                        $DEPLOYKIT_CACHE/headers: ONNX Runtime's, TensorRT's and nlohmann/json's, fetched
+#                        here with deploykit.native.build.fetch_headers(); the op library's build reads them)
+#                        and site/ (pytest-xdist and execnet, unzipped wheels: tests/gpu runs on several
+#                        workers there). setup untars it into $DEPLOYKIT_CACHE/headers and /tmp/test-site.
 #   ort0 .. ortN         onnxruntime-gpu, in parts under 61 MiB, by ../shared/gpu/stage-ort-gpu.
 # serve-site's extension modules lose their debug info (binutils' strip; about 5 MiB of xz).
 # Idempotent: an existing tarball (and the ort parts, by their version file) is reused; FORCE=1 remakes
@@ -149,7 +154,21 @@ PY
   mv "$tmp/serve-site.tar.xz" "$out/serve-site.tar.xz"
 fi
 
-# ---------------------------------------------------------------- 3. onnxruntime-gpu parts
+# ---------------------------------------------------------------- 3. test-tools.tar.xz
+if [ -f "$out/test-tools.tar.xz" ] && [ "${FORCE:-0}" != 1 ]; then
+  echo "reusing .gpu/test-tools.tar.xz"
+else
+  "$python" -c 'from deploykit.native import build; print(build.fetch_headers(verbose=True))'
+  mkdir -p "$tmp/tools/site" "$tmp/xdist-wheels"
+  cp -r "$cache/headers" "$tmp/tools/headers"
+  rm -f "$tmp"/tools/headers/*.lock
+  python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: -d "$tmp/xdist-wheels" \
+    pytest-xdist execnet
+  for wheel in "$tmp"/xdist-wheels/*.whl; do "$python" -m zipfile -e "$wheel" "$tmp/tools/site"; done
+  tar -C "$tmp/tools" --sort=name --owner=0 --group=0 --numeric-owner -cf - headers site | xz -T0 -9 > "$out/test-tools.tar.xz"
+fi
+
+# ---------------------------------------------------------------- 4. onnxruntime-gpu parts
 (cd "$root" && "$root/../shared/gpu/stage-ort-gpu")
 
 # ---------------------------------------------------------------- checks and sizes
