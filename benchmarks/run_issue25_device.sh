@@ -31,6 +31,7 @@
 set -uo pipefail
 : "${OUT:?set OUT to a results folder}"
 root=$(cd "$(dirname "$0")/.." && pwd)
+callers_path=${PYTHONPATH:-}  # e.g. /tmp/ortsite (onnxruntime-gpu): setup hands it to Triton's stub too
 export PYTHONPATH="$root:$root/tests/helpers:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 COLUMNS=200
 export WORK=${WORK:-/tmp/dk-issue13} DEPLOYKIT_CACHE=${DEPLOYKIT_CACHE:-/tmp/dk-cache}
 device=${DEVICE:-cuda:0}
@@ -66,6 +67,9 @@ if has_step setup; then
     paths="$paths"$'\n'/tmp/serve-site
   fi
   [ -d /tmp/test-site ] && paths="$paths"$'\n'/tmp/test-site
+  # A .pth's plain lines land after site-packages, where this Python's own (CPU-only) onnxruntime would win
+  # over the caller's onnxruntime-gpu; an import line puts the caller's PYTHONPATH first, as it is for serve.
+  [ -z "$callers_path" ] || paths="$paths"$'\n'"import sys; sys.path[:0] = '$callers_path'.split(':')"
   echo "$paths" > "$site/deploykit-checkout.pth"
   python3 -c 'import fastapi, uvicorn, prometheus_client, deploykit; print("serving packages: ok")'
   python3 -c 'import tritonclient.http' 2> /dev/null && echo "tritonclient: installed" || echo "tritonclient: missing"
