@@ -92,7 +92,8 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['server']} | {r['concurrency']} | {number(r['throughput'], 0)} | "
                      f"{number(r['p50_ms'])} | {number(r['p95_ms'])} | {number(r['p99_ms'])} | {r['errors']} | "
                      f"{number(r['busy'], 0)} | {number(ratio)} |" + (_spread(r) if rounds else "")
-                     + (f" {r['failure']}" if r["failure"] else ""))
+                     + (f" {r['failure']}" if r["failure"] else "")
+                     + (" (windows judged stable on mean latency, not p99)" if r.get("stable_on") == "mean" else ""))
     return "\n".join(lines)
 
 

@@ -66,3 +66,36 @@ def test_the_summary_of_several_rounds_takes_medians(tmp_path):
     rows = [line for line in done.stdout.splitlines() if line.startswith("| tiny")]
     assert rows == ["| tiny | serve | 8 | 280 | 2.00 | 2.00 | 20.00 | 3 |  | 1.40 | 100-300 (3) |",
                     "| tiny | triton | 8 | 200 | 2.00 | 2.00 | 20.00 | 3 |  |  | 190-210 (3) |"]
+
+
+def test_perf_analyzer_measures_a_level_whose_p99_never_settles_again_on_mean_latency(tmp_path):
+    """perf_analyzer.py: a level perf_analyzer finds unstable on p99 is run again without --percentile
+    (judged on mean latency), and its result says so; a stable level runs once."""
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("perf_analyzer_script", BENCHMARKS / "perf_analyzer.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    fake = tmp_path / "fake_perf_analyzer.py"  # unstable whenever it is asked to judge on p99
+    fake.write_text("""import sys
+args = sys.argv[1:]
+if "--percentile=99" in args and "unstable" in args[args.index("-m") + 1]:
+    print("Failed to obtain stable measurement within 10 measurement windows")
+    sys.exit(0)
+with open(args[args.index("-f") + 1], "w") as report:
+    report.write("Concurrency,Inferences/Second,p50 latency,p95 latency,p99 latency\\n256,4000,50000,60000,70000\\n")
+""")
+    program = types.SimpleNamespace(command=[sys.executable, str(fake)], env=None)
+
+    def measure(model):
+        args = types.SimpleNamespace(model=model, measurement_interval_ms=100, stability_percentage=10, batch_size=1,
+                                     input_data="zero", shape=[], out=tmp_path / model)
+        args.out.mkdir()
+        return script.measure(program, args, "http", "127.0.0.1:1", 256)
+
+    settled, unsettled = measure("steady"), measure("unstable")
+    assert settled["stable_on"] == "p99" and not (tmp_path / "steady" / "http-c256-mean.log").exists()
+    assert unsettled["stable_on"] == "mean" and unsettled["failure"] is None
+    assert (unsettled["throughput"], unsettled["p99_ms"]) == (4000.0, 70.0)
+    assert "Failed to obtain stable measurement" in (tmp_path / "unstable" / "http-c256.log").read_text()

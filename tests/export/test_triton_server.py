@@ -177,7 +177,7 @@ def test_perf_analyzer_measures_both_protocols_and_counts_refused_requests(trito
     [result] = json.loads((tmp_path / "nan" / "perf_analyzer.json").read_text())["results"]
     assert result["errors"] == 2 and result["throughput"] is None  # each of the 2 threads stopped at its first
     assert "input features holds 13 NaN or infinite values" in result["failure"]
-    assert "| http | 2 |  |  |  |  | 2 | input features holds 13 NaN" in (tmp_path / "nan" / "perf_analyzer.md").read_text()
+    assert "| http | 2 |  |  |  |  | 2 | p99 | input features holds 13 NaN" in (tmp_path / "nan" / "perf_analyzer.md").read_text()
 
 
 def test_sigterm_stops_it_cleanly(triton):
