@@ -144,8 +144,12 @@ def _write_precision(state: ConversionState) -> None:
 
 
 def _quantize(state: ConversionState) -> None:
-    state.quantization = quantize.QuantizationStage.start(state.optimized, state.calibration,
-                                                          state.options.calibration_method)
+    """For TensorRT: symmetric int8 of the graph without ONNX Runtime's fused ops, which ONNX Runtime
+    validates and ships as well (one quantized graph, so the engine runs what was validated)."""
+    target = "tensorrt" if _tensorrt_requested(state) else "onnxruntime"
+    graph = state.portable if target == "tensorrt" and state.portable is not None else state.optimized
+    state.quantization = quantize.QuantizationStage.start(graph, state.calibration, state.options.calibration_method,
+                                                          target)
 
 
 def _find_op_library(state: ConversionState) -> None:

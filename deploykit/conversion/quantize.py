@@ -33,6 +33,11 @@ from deploykit.specs import InputSpec
 from deploykit.validation.inputs import load_feeds, random_feeds
 
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
+#: The backends int8 is written for. TensorRT takes only symmetric int8 (zero points 0), so for it the
+#: activations are int8 around zero; ONNX Runtime's CPU kernels are fastest with uint8 activations.
+TARGETS = ("onnxruntime", "tensorrt")
+FORMATS = {"onnxruntime": "QDQ: int8 weights per output channel, uint8 activations per tensor",
+           "tensorrt": "QDQ: int8 weights per output channel, int8 activations per tensor, symmetric (zero points 0)"}
 #: Standard ONNX ops that run in int8. The matrix products are the speed; the elementwise and data
 #: movement ops between them keep the tensors int8 so that no DequantizeLinear/QuantizeLinear pair
 #: sits between two quantized products (ONNX Runtime folds Relu and Clip into the QuantizeLinear).
@@ -60,12 +65,12 @@ def check_options(options: ConvertOptions) -> None:
         return
     refused = {
         "--io-precision": options.io_precision is not None,
-        f"--backend {options.backend}": options.backend != "onnxruntime",
+        f"--backend {options.backend}": options.backend not in TARGETS,
     }
     for flag, given in refused.items():
         if given:
-            raise BadInputError(f"{flag} is not supported with --precision int8 yet (int8 runs in ONNX Runtime on the "
-                                f"CPU only); drop {flag.split()[0]}, or convert with --precision fp16")
+            raise BadInputError(f"{flag} is not supported with --precision int8 yet (int8 is written for ONNX Runtime "
+                                f"and TensorRT); drop {flag.split()[0]}, or convert with --precision fp16")
     if options.calibration_method not in CALIBRATION_METHODS:
         raise BadInputError(f"--calibration-method {options.calibration_method!r}: use "
                             f"{', '.join(CALIBRATION_METHODS)}")
@@ -126,13 +131,15 @@ class QuantizationStage:
     method: str
     calibration: Calibration
     nodes: list[NodePrecision]
+    target: str = "onnxruntime"  # TARGETS: the backend whose int8 format the graph has
     fix: Int8Fix | None = None  # --auto-fix: what it kept in float, round by round
 
     @classmethod
-    def start(cls, optimized: onnx.ModelProto, calibration: Calibration, method: str) -> QuantizationStage:
+    def start(cls, optimized: onnx.ModelProto, calibration: Calibration, method: str,
+              target: str = "onnxruntime") -> QuantizationStage:
         fp32 = name_nodes(optimized)  # the report names every node, quantized or float
         try:
-            model = quantize(fp32, calibration.batches, method)
+            model = quantize(fp32, calibration.batches, method, symmetric=target == "tensorrt")
         except Exception as error:
             if calibration.random or not type(error).__module__.startswith("onnxruntime"):
                 raise  # our own random samples always run: a failure there is a bug
@@ -140,11 +147,12 @@ class QuantizationStage:
             raise BadInputError(f"--calibration {calibration.source}: the model does not run on these samples "
                                 f"({reason}); check their values (token ids within the vocabulary, indices "
                                 "in range)") from None
-        return cls(fp32, model, method, calibration, node_precisions(fp32, model))
+        return cls(fp32, model, method, calibration, node_precisions(fp32, model), target)
 
     def requantize(self, kept_float: list[str]) -> None:
         """Quantize the fp32 graph again (same samples and method) with ``kept_float`` left in float."""
-        self.model = quantize(self.fp32, self.calibration.batches, self.method, kept_float)
+        self.model = quantize(self.fp32, self.calibration.batches, self.method, kept_float,
+                              symmetric=self.target == "tensorrt")
         self.nodes = node_precisions(self.fp32, self.model, set(kept_float))
 
     def fixable_nodes(self) -> set[str]:
@@ -160,9 +168,9 @@ class QuantizationStage:
         return {
             "precision": "int8",
             "io_precision": None,
-            "target": "onnxruntime",
+            "target": self.target,
             "reference_model": REFERENCE_MODEL,
-            "format": "QDQ: int8 weights per output channel, uint8 activations per tensor",
+            "format": FORMATS[self.target],
             "calibration_method": self.method,
             "calibration": self.calibration.to_json(),
             "nodes": {"int8": len(quantized), "float": len(self.nodes) - len(quantized)},
@@ -173,9 +181,10 @@ class QuantizationStage:
 
 
 def quantize(model: onnx.ModelProto, batches: list[dict[str, np.ndarray]], method: str,
-             kept_float: list[str] = ()) -> onnx.ModelProto:
+             kept_float: list[str] = (), symmetric: bool = False) -> onnx.ModelProto:
     """``model`` quantized by ONNX Runtime's ``quantize_static`` (QDQ), calibrated on ``batches``;
-    ``kept_float``: nodes auto-fix keeps in float."""
+    ``kept_float``: nodes auto-fix keeps in float; ``symmetric``: int8 activations with zero points 0
+    and float biases, the only int8 TensorRT builds."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
@@ -185,8 +194,11 @@ def quantize(model: onnx.ModelProto, batches: list[dict[str, np.ndarray]], metho
         onnx.save_model(model, source)
         quantize_static(
             source, target, _Batches(batches), quant_format=QuantFormat.QDQ, per_channel=True,
-            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, calibrate_method=methods[method],
-            op_types_to_quantize=list(QUANTIZED_OPS), nodes_to_exclude=_foreign_nodes(model) + list(kept_float),
+            activation_type=QuantType.QInt8 if symmetric else QuantType.QUInt8, weight_type=QuantType.QInt8,
+            calibrate_method=methods[method], op_types_to_quantize=list(QUANTIZED_OPS),
+            nodes_to_exclude=_foreign_nodes(model) + list(kept_float),
+            # TensorRT dequantizes int8 only: its biases stay float (ONNX Runtime's CPU kernels take int32 ones)
+            extra_options={"ActivationSymmetric": symmetric, "WeightSymmetric": True, "QuantizeBias": not symmetric},
         )
         quantized = onnx.load_model(target)
     if kept_float:

@@ -86,9 +86,12 @@ class ConversionState:
 
     @property
     def engine_graph(self) -> onnx.ModelProto | None:
-        """What TensorRT builds from: typed for TensorRT, else the graph without ONNX Runtime's ops."""
+        """What TensorRT builds from: typed for TensorRT, else quantized for it (int8: the shipped graph),
+        else the graph without ONNX Runtime's ops."""
         if self.engine_precision is not None:
             return self.engine_precision.model
+        if self.quantization is not None:
+            return self.quantization.model
         return self.portable if self.portable is not None else self.shipped_graph
 
     @property

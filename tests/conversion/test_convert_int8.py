@@ -174,7 +174,7 @@ def test_calibration_samples_the_model_cannot_run_are_one_line_exit_2(tmp_path):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--precision", "int8", "--backend", "tensorrt"], ["--backend tensorrt is not supported with --precision int8"]),
+    (["--precision", "int8", "--backend", "aoti"], ["--backend aoti is not supported with --precision int8"]),
     (["--calibration", "data.npz"], ["--calibration and --calibration-method apply to int8"]),
 ])
 def test_int8_refuses_what_it_does_not_do_yet(tmp_path, args, words):

@@ -108,3 +108,39 @@ def test_named_targets_none_can_build_is_one_line_with_the_fix(tmp_path, no_gpu_
            "FP32 GEMM is not supported" in line
     assert "--trt-targets 8.0," in line and "--precision fp16" in line and "internal error" not in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "bundle").exists()
+
+
+def test_int8_for_tensorrt_is_symmetric_qdq_that_tensorrt_builds(tmp_path):
+    """``--precision int8 --backend tensorrt``: one quantized graph, validated in ONNX Runtime and built by
+    TensorRT, with only what TensorRT takes (int8 activations with zero points 0, float biases); the parser
+    turns its Q/DQ nodes into quantize layers, so the engine's convolutions run in int8."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from deploykit.backends.tensorrt.builder import build_engine
+
+    save_ddp_state_dict("residual_conv", tmp_path / "weights.pt")
+    np.savez(tmp_path / "calibration.npz", x=np.random.default_rng(5).standard_normal((64, 3, 16, 16), dtype=np.float32))
+    result = convert(tmp_path, "weights.pt", "--factory", "model_zoo:residual_conv", "--input", "x:1x3x16x16",
+                     "--batch", "1:2:4", "--precision", "int8", "--calibration", "calibration.npz", "--backend",
+                     "tensorrt", "--trt-targets", "8.9", "-o", "bundle")
+    assert result.returncode == 0, result.stderr
+    bundle = tmp_path / "bundle"
+    (engine,) = json.loads((bundle / "manifest.json").read_text())["engines"]
+    assert engine["file"] == "model.int8.sm89.engine" and engine["targets"] == ["8.9"]
+    precision = json.loads((bundle / "report.json").read_text())["precision"]
+    assert precision["target"] == "tensorrt" and "zero points 0" in precision["format"] and precision["nodes"]["int8"]
+    model = onnx.load(bundle / "model.onnx")
+    constants = {tensor.name: numpy_helper.to_array(tensor) for tensor in model.graph.initializer}
+    quantizers = [node for node in model.graph.node if node.op_type == "QuantizeLinear"]
+    assert quantizers
+    for node in quantizers:
+        zero_point = constants[node.input[2]]
+        assert zero_point.dtype == np.int8 and not zero_point.any(), node.name
+    dequantized = [constants[node.input[0]] for node in model.graph.node
+                   if node.op_type == "DequantizeLinear" and node.input[0] in constants]
+    assert dequantized and all(weights.dtype == np.int8 for weights in dequantized)  # no int32 biases
+    build = build_engine(bundle / "model.onnx", batch=(1, 2, 4), input_shapes={"x": (1, 3, 16, 16)}, targets=["8.9"])
+    types = {layer["type"] for layer in build.layers}
+    assert {"QUANTIZE", "DEQUANTIZE", "CONVOLUTION"} <= types, types
