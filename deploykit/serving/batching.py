@@ -7,12 +7,6 @@ a bucket exactly, a lone request at batch 1 say, run at once, as Triton's prefer
 Before its first request a worker warms its runner up (``ServedModel.warmup_sizes``) on its own
 thread, where its first requests will run; ``wait_warm`` returns once all have.
 
-With a solo runner (``serve --solo-threads``, on a CPU): a batch that is the only work runs alone on
-it, with every core, and the others wait for it; a busier queue is split among the idle workers,
-whose runners (fewer threads each) compute side by side. Two single-threaded runs on two cores
-outrun one two-threaded run (no straggler waits in every parallel loop), but a lone request is faster
-on both cores.
-
 Threads, not the event loop: runners release the GIL while they compute (ONNX Runtime,
 TensorRT), so N instances run N batches at once while the loop keeps parsing requests.
 """
@@ -58,8 +52,6 @@ class Batcher:
         self._queue: collections.deque[Pending] = collections.deque()
         self._rows = 0  # the rows in _queue, kept as it changes: workers ask on every wake-up
         self._arriving = 0  # requests being read and parsed, which may still join a batch
-        self._running = 0  # batches being run, on any runner
-        self._solo_running = False  # one of them is on the solo runner, which runs alone
         self._ready = threading.Condition()
         self._closed = False
         self._warm = [threading.Event() for _ in model.runners]
@@ -117,21 +109,14 @@ class Batcher:
             warm.wait()
 
     def _work(self, runner, warm: threading.Event) -> None:
-        solo = self.model.solo_runner if runner is self.model.runners[0] else None  # the first worker warms it
         try:
-            for each in (runner, solo) if solo is not None else (runner,):
-                self._warm_up(each)
+            self._warm_up(runner)
         finally:
             warm.set()
         staging = PinnedStaging.for_runner(runner) if self.model.batching else None
-        while (taken := self._take()) is not None:
-            batch, alone = taken
-            if not batch:
-                continue
-            try:
-                self._run(self.model.solo_runner if alone else runner, batch, None if alone else staging)
-            finally:
-                self._finished(alone)
+        while (batch := self._take()) is not None:
+            if batch:
+                self._run(runner, batch, staging)
 
     def _warm_up(self, runner) -> None:
         model = self.model
@@ -150,13 +135,11 @@ class Batcher:
         log.info("%s (%s): warmed up at batch %s in %.1f s", model.name, threading.current_thread().name, sizes,
                  time.perf_counter() - started)
 
-    def _take(self) -> tuple[list[Pending], bool] | None:
-        """The next batch (requests in arrival order, cancelled ones dropped) and whether it runs on the
-        solo runner; None once closed and drained. Nothing is taken during a solo run: the queue is shared
-        out once it ends, when every worker is idle."""
+    def _take(self) -> list[Pending] | None:
+        """The next batch (requests in arrival order, cancelled ones dropped); None once closed and drained."""
         with self._ready:
-            while not self._queue or self._solo_running:
-                if self._closed and not self._queue:
+            while not self._queue:
+                if self._closed:
                     return None
                 self._ready.wait()
             deadline = self._queue[0].arrived + self.max_delay
@@ -165,42 +148,16 @@ class Batcher:
                    and (left := deadline - time.perf_counter()) > 0):
                 self._ready.wait(left)
                 if not self._queue:  # another worker took them
-                    return [], False
-            batch, rows, limit = [], 0, self._share()
-            while self._queue and (not batch or rows + self._queue[0].rows <= limit):
+                    return []
+            batch, rows = [], 0
+            while self._queue and (not batch or rows + self._queue[0].rows <= self.model.max_batch):
                 pending = self._queue.popleft()
                 self._rows -= pending.rows
                 if pending.future.set_running_or_notify_cancel():  # False: it timed out while waiting
                     batch.append(pending)
                     rows += pending.rows
             self._queue_changed()
-            if self._queue:
-                self._ready.notify()  # an idle worker takes the rest
-            return batch, self._start_run(batch)
-
-    def _share(self) -> int:
-        """Rows this worker may take: with a solo runner, an even share of the queue among the idle
-        workers (so they compute side by side); else a full batch."""
-        idle = len(self.model.runners) - self._running
-        if self.model.solo_runner is None or idle <= 1:
-            return self.model.max_batch
-        return min(self.model.max_batch, -(-self._rows // idle))
-
-    def _start_run(self, batch: list[Pending]) -> bool:
-        """Count the run in (under the lock); True when it is the only work and goes to the solo runner."""
-        if not batch:
-            return False
-        alone = self.model.solo_runner is not None and self._running == 0 and not self._queue
-        self._running += 1
-        self._solo_running = alone
-        return alone
-
-    def _finished(self, alone: bool) -> None:
-        with self._ready:
-            self._running -= 1
-            if alone:
-                self._solo_running = False
-            self._ready.notify_all()
+            return batch
 
     def _padded(self, rows: int) -> bool:
         return _bucket(self.model.buckets, rows) != rows

@@ -31,7 +31,6 @@ class ServeOptions:
     allow_failed: bool = False
     warmup_runs: int = 3  # per instance and warm-up batch size, before the server says ready
     threads: int | None = None  # ONNX Runtime's intra-op threads per instance (None: its default, every core)
-    solo_threads: int | None = None  # a solo runner's threads (None: none), for batches that are the only work
 
 
 @dataclasses.dataclass
@@ -49,9 +48,6 @@ class ServedModel:
     #: (None: the bundle's static shapes), so the first requests pay no algorithm search or CUDA graph capture
     warmup_sizes: list[int | None] = dataclasses.field(default_factory=list)
     warmup_runs: int = 0
-    #: with ``--solo-threads``: a runner with more threads on the first placement, for a batch that is the
-    #: only work (the batcher runs it alone and splits busier queues among ``runners``)
-    solo_runner: object | None = None
 
     @property
     def runner(self):
@@ -133,16 +129,12 @@ def load_model(bundle: Bundle, name: str, placements: list[str], options: ServeO
     from deploykit.runtime import load
 
     path = bundle.path
-    def runner(place: str, threads: int | None):
-        return load(bundle, options.backend, place, allow_failed=options.allow_failed,
-                    trust_native=options.trust_native, **({"threads": threads} if threads else {}))
-
-    runners = [runner(place, options.threads) for place in placements]
-    solo = runner(placements[0], options.solo_threads) if options.solo_threads else None
+    threads = {"threads": options.threads} if options.threads else {}
+    runners = [load(bundle, options.backend, place, allow_failed=options.allow_failed,
+                    trust_native=options.trust_native, **threads) for place in placements]
     dynamic = batch_range(runners[0].inputs, runners[0].outputs)
     if dynamic is None:
-        return ServedModel(name, path, runners, placements, 1, [], options.allow_nan, [None], options.warmup_runs,
-                           solo)
+        return ServedModel(name, path, runners, placements, 1, [], options.allow_nan, [None], options.warmup_runs)
     low, _, high = dynamic
     max_batch = options.max_batch or high
     if not low <= max_batch <= high:
@@ -150,7 +142,7 @@ def load_model(bundle: Bundle, name: str, placements: list[str], options: ServeO
                             "choose one in it (or convert with a wider --batch)")
     buckets = choose_buckets(options.buckets, runners[0], low, max_batch)
     return ServedModel(name, path, runners, placements, max_batch, buckets, options.allow_nan,
-                       buckets or [max_batch], options.warmup_runs, solo)
+                       buckets or [max_batch], options.warmup_runs)
 
 
 def batch_range(inputs: list[dict], outputs: list[dict]) -> tuple[int, int, int] | None:

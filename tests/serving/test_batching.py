@@ -156,40 +156,6 @@ def test_threads_set_each_instances_onnx_runtime_threads():
     assert served().runner.session.get_session_options().intra_op_num_threads == 0  # ONNX Runtime's default
 
 
-def test_a_lone_batch_runs_on_the_solo_runner_and_a_busy_queue_is_shared_side_by_side():
-    """--solo-threads: the only work goes to the solo runner alone; what queues meanwhile waits for it, then is
-    split evenly between the two idle workers, whose runners compute at the same time."""
-    narrow, solo = [GatedRunner(), GatedRunner()], GatedRunner()
-    model = ServedModel("gated", Path("gated"), narrow, ["cpu", "cpu"], max_batch=4, buckets=[], allow_nan=False,
-                        solo_runner=solo)
-    batcher = Batcher(model, max_delay_s=0, max_queue=8, metrics=Metrics())
-
-    def submit(n: int):
-        return batcher.submit({"x": np.full((n, 2), n, np.float32)}, n)
-
-    lone = submit(1)
-    assert solo.started.get(timeout=5) == 1  # nothing else to do: every core
-    queued = [submit(1) for _ in range(4)]  # 4 rows while the solo run holds the cores
-    with pytest.raises(queue.Empty):
-        narrow[0].started.get(timeout=0.3)  # waits for the solo run
-    solo.go.release()
-    np.testing.assert_array_equal(lone.result(timeout=5)["y"], np.full((1, 2), 2, np.float32))
-    assert sorted(runner.started.get(timeout=5) for runner in narrow) == [2, 2]  # both at once, 2 rows each
-    for runner in narrow:
-        runner.go.release()
-    batcher.close()
-    for future in queued:
-        np.testing.assert_array_equal(future.result(timeout=5)["y"], np.full((1, 2), 2, np.float32))
-    assert solo.started.empty()
-
-
-def test_solo_threads_load_one_more_runner_with_its_threads():
-    model = served(instances=2, threads=1, solo_threads=2)
-    assert [r.session.get_session_options().intra_op_num_threads for r in model.runners] == [1, 1]
-    assert model.solo_runner.session.get_session_options().intra_op_num_threads == 2
-    assert served().solo_runner is None
-
-
 def test_a_model_names_what_every_instance_noted_once():
     """Instances on other devices may note other things (an engine one GPU cannot run): serve prints them all."""
     runners = [SimpleNamespace(notes=["swapped library", "engine not used on cuda:0"]),
