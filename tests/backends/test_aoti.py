@@ -127,6 +127,7 @@ def test_batch_outside_the_range_is_refused(bundle):
         unvalidated(images(5))  # the dynamic package's code assumes its range: not even with consent
 
 
+@pytest.mark.slow
 def test_fixed_batch_fp16_is_one_static_package(model):
     fixed = converted_aoti(None, "--precision", "fp16", "--io-precision", "fp16")
     manifest = json.loads((fixed / "manifest.json").read_text())

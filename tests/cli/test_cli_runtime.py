@@ -343,6 +343,7 @@ def test_bench_compares_backends_and_says_what_it_skipped(tmp_path, tabular):
     assert "ort-deploykit" in result.stderr and "skipped: ort-plain" in result.stderr
 
 
+@pytest.mark.slow
 def test_bench_torch_compile_and_plain_onnx(tmp_path, tabular):
     import onnx
     import onnx.inliner
@@ -358,6 +359,7 @@ def test_bench_torch_compile_and_plain_onnx(tmp_path, tabular):
     assert entries["ort-plain"]["status"] == "ok", entries["ort-plain"]["reason"]
 
 
+@pytest.mark.slow
 def test_bench_export_plain_and_a_baseline_bundle(tmp_path, tabular):
     baseline = copy_bundle("tabular", tmp_path)
     result = cli("bench", tabular, "--factory", "model_zoo:tabular", "--model", weights_of(tabular), "--export-plain",

@@ -143,6 +143,7 @@ def test_exported_program_with_user_inputs(tmp_path):
     check_bundle(tmp_path / "bundle", ["x"])
 
 
+@pytest.mark.slow
 def test_validation_failure_names_output_and_tolerance(tmp_path):
     """Impossible tolerances fail with exit 1, naming the output and a tolerance that passes."""
     save_program(tmp_path)

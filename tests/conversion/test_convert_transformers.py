@@ -85,7 +85,7 @@ def no_fusions_writes_plain_onnx_with_more_casts(tmp_path, name: str, fused: dic
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("precision", [pytest.param("fp32", marks=pytest.mark.slow), "fp16"])
 def test_tensorrt_engine_is_built_from_the_graph_without_contrib_ops(tmp_path, precision):
     shim = pytest.importorskip("deploykit.backends.tensorrt.shim")
     try:

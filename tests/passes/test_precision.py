@@ -342,7 +342,7 @@ def test_resnet18_passes_reduced_precision(tmp_path, precision):
         assert len(labels) == 2 and info["execution"].startswith("not executed on the CPU")
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("precision", ["fp16", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_small_transformer_passes_reduced_precision(tmp_path, precision):
     torch.manual_seed(0)
     torch.save(model_zoo.small_transformer().state_dict(), tmp_path / "weights.pt")

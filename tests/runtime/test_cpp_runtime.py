@@ -120,6 +120,7 @@ def test_a_build_without_libtorch_says_how_to_get_the_aoti_path(tmp_path, built)
     assert "built without libtorch" in result.stderr and "-DDEPLOYKIT_WITH_LIBTORCH=ON" in result.stderr
 
 
+@pytest.mark.slow
 def test_embedding_example_builds_and_runs(tmp_path_factory, defines):
     build = tmp_path_factory.mktemp("example-build")
     configure_and_build(ROOT / "examples" / "cpp", build, *defines)

@@ -24,6 +24,9 @@ from cpp_runtime import ROOT, built_with_libtorch, run_cpp, runtime_defines, wit
 from deploykit.bundle import trust
 from deploykit.bundle.read import open_bundle
 
+# libtorch's C++ build and the AOTInductor conversion: minutes on 2 cores (make test-slow, CI)
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def built() -> tuple[Path, dict]:

@@ -302,6 +302,7 @@ def aoti_bundle(tmp_path_factory) -> Path:
     return bundle
 
 
+@pytest.mark.slow
 def test_tune_times_the_aoti_packages(aoti_bundle):
     table = runtime.open_bundle(aoti_bundle).manifest["tuning"]
     assert [c["batch"] for c in table["choices"]] == [1, 2, 3]

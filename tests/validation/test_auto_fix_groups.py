@@ -56,7 +56,8 @@ def test_the_issues_model_fails_fp16_with_no_node_to_blame(tmp_path):
     assert found["passed"] and {p["op"] for p in found["pinned"]} <= CHEAP
 
 
-@pytest.mark.parametrize("factory", ["residual_stream", "residual_stream_2x30", "residual_stream_6x300"])
+@pytest.mark.parametrize("factory", ["residual_stream", pytest.param("residual_stream_2x30", marks=pytest.mark.slow),
+                                     pytest.param("residual_stream_6x300", marks=pytest.mark.slow)])
 def test_auto_fix_pins_only_cheap_nodes_of_the_residual_stream(tmp_path, factory):
     result, report = fp16_convert(tmp_path, factory, "--auto-fix")
     assert result.returncode == 0 and report["verdict"] == "pass", result.stderr
