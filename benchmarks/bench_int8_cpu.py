@@ -103,8 +103,8 @@ def plain_export(name: str, work: Path, image: int) -> Path:
     return path
 
 
-def time_graphs(paths: dict[str, Path], batch: int, image: int, rounds: int, calls: int) -> dict[str, float]:
-    """Median ms per call of each graph at ``batch``: in each round every graph gets a fresh session,
+def time_graphs(paths: dict[str, Path], feeds: dict[str, np.ndarray], rounds: int, calls: int) -> dict[str, float]:
+    """Median ms per call of each graph on ``feeds``: in each round every graph gets a fresh session,
     three warm-up calls and ``calls`` timed ones; the graph's time is the median of its rounds' medians.
 
     One session exists at a time: ONNX Runtime's idle worker threads spin, and on this 2-core machine
@@ -113,7 +113,6 @@ def time_graphs(paths: dict[str, Path], batch: int, image: int, rounds: int, cal
     """
     import onnxruntime as ort
 
-    feeds = {"x": np.random.default_rng(batch).standard_normal((batch, 3, image, image), dtype=np.float32)}
     medians = {name: [] for name in paths}
     for _ in range(rounds):
         for name, path in paths.items():
@@ -180,7 +179,8 @@ def main() -> None:
              "plain export fp32": plain,
              "plain export, quantize_static U8S8": quantize(plain, args.work / "plain-int8.onnx", samples, "QUInt8",
                                                             None)}
-    timings = {batch: time_graphs(paths, batch, args.image, args.rounds, args.calls)
+    timings = {batch: time_graphs(paths, {"x": np.random.default_rng(batch).standard_normal(
+                   (batch, 3, args.image, args.image), dtype=np.float32)}, args.rounds, args.calls)
                for batch in map(int, args.batches.split(","))}
     checked = accuracy(args.model, args.work / "weights.pt", paths, args.image, args.check)
 

@@ -1,0 +1,133 @@
+"""BERT-base int8 against fp32 on this CPU: ``deploykit convert --precision int8`` vs the fp32 bundle, in ONNX Runtime.
+
+    python benchmarks/bench_int8_bert_cpu.py [--work DIR] [--batches 1,8] [--seq 128] [--rounds 5]
+                                             [--auto-fix] [--out results/bert-int8.json]
+
+model_zoo's ``bert_base`` (transformers' BertModel at BERT-base's size, random weights, a 1,000-token
+vocabulary) taking ``input_ids`` and ``attention_mask`` and returning the last hidden states, converted
+twice by the CLI with a dynamic batch: fp32, and int8 calibrated with ``--calibration`` on ``--samples``
+random sequences (ids inside the vocabulary, every position unmasked). The peer route, last: ONNX
+Runtime's ``quantize_dynamic`` (int8 weights, activations quantized per call) of the fp32 bundle's graph,
+what a user quantizing a transformer for ONNX Runtime on a CPU reaches for first.
+
+Timing as bench_int8_cpu.py's ``time_graphs`` (one session at a time, graphs taking turns in rounds,
+median of the rounds' medians). Accuracy: each graph's hidden states against PyTorch fp32 on ``--check``
+sequences disjoint from the calibration ones (cosine over everything, and the lowest per-sequence cosine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "helpers")]
+
+from bench_int8_cpu import convert, time_graphs  # noqa: E402
+
+VOCABULARY = 1000  # model_zoo.BertEncoder's
+
+
+def sequences(count: int, seq: int, seed: int) -> dict[str, np.ndarray]:
+    """``count`` random sequences: ids inside the vocabulary, a [CLS]/[SEP]-like frame, a full mask."""
+    ids = np.random.default_rng(seed).integers(150, VOCABULARY, (count, seq), dtype=np.int64)
+    ids[:, 0], ids[:, -1] = 101, 102
+    return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+
+
+def reference_states(weights: Path, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    import torch
+
+    import model_zoo
+
+    model = model_zoo.bert_base()
+    model.load_state_dict(torch.load(weights))
+    with torch.no_grad():
+        return model.eval()(**{name: torch.from_numpy(array) for name, array in feeds.items()}).numpy()
+
+
+def accuracy(paths: dict[str, Path], feeds: dict[str, np.ndarray], reference: np.ndarray) -> dict[str, dict]:
+    import onnxruntime as ort
+
+    result = {}
+    for name, path in paths.items():
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        states = np.concatenate([session.run(None, {k: v[i:i + 8] for k, v in feeds.items()})[0]
+                                 for i in range(0, len(reference), 8)]).astype(np.float64)
+        want = reference.astype(np.float64)
+        per_sequence = [float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b)) for a, b in zip(states, want)]
+        result[name] = {"cosine": float((states * want).sum() / np.linalg.norm(states) / np.linalg.norm(want)),
+                        "lowest_sequence_cosine": min(per_sequence)}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="bench_int8_bert_cpu.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", type=Path, default=Path("/tmp/deploykit-bench-int8-bert"))
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--samples", type=int, default=64, help="calibration sequences")
+    parser.add_argument("--check", type=int, default=16, help="sequences for the accuracy check")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--method", default="minmax", choices=["minmax", "entropy", "percentile"])
+    parser.add_argument("--auto-fix", action="store_true", help="convert the int8 bundle with --auto-fix")
+    parser.add_argument("--out", type=Path, help="write the results as JSON")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "helpers"), os.environ.get("PYTHONPATH", "")])
+
+    import torch
+
+    import model_zoo
+
+    torch.manual_seed(0)
+    weights = args.work / "bert_base.pt"
+    torch.save(model_zoo.bert_base().state_dict(), weights)
+    np.savez(args.work / "calibration.npz", **sequences(args.samples, args.seq, seed=7))
+    inputs = ["--factory", "model_zoo:bert_base", "--input", f"input_ids:1x{args.seq}:int64",
+              "--input", f"attention_mask:1x{args.seq}:int64"]
+    fp32 = convert(weights, args.work / "fp32", *inputs)
+    int8 = convert(weights, args.work / "int8", *inputs, "--precision", "int8", "--calibration",
+                   str(args.work / "calibration.npz"), "--calibration-method", args.method,
+                   *(["--auto-fix"] if args.auto_fix else []))
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    dynamic = args.work / "dynamic-int8.onnx"
+    quantize_dynamic(args.work / "fp32" / "model.onnx", dynamic, weight_type=QuantType.QInt8)
+    paths = {"fp32": args.work / "fp32" / "model.onnx", "int8 (deploykit)": args.work / "int8" / "model.onnx",
+             "fp32 bundle, quantize_dynamic": dynamic}
+    timings = {batch: time_graphs(paths, sequences(batch, args.seq, seed=batch), args.rounds, args.calls)
+               for batch in map(int, args.batches.split(","))}
+    check = sequences(args.check, args.seq, seed=99)
+    checked = accuracy(paths, check, reference_states(weights, check))
+
+    import onnxruntime
+
+    print(f"bert_base seq {args.seq}, onnxruntime {onnxruntime.__version__}, {os.cpu_count()} CPUs; int8 convert "
+          f"verdict {int8['verdict']} ({int8['convert_s']:.0f} s), {int8['precision']['nodes']['int8']} int8 / "
+          f"{int8['precision']['nodes']['float']} float nodes; fp32 verdict {fp32['verdict']}")
+    if fix := int8["precision"].get("auto_fix"):
+        print(f"auto-fix: {fix['stopped']}")
+    print("| batch | graph | p50 ms | fp32 / graph |")
+    print("| ---: | --- | ---: | ---: |")
+    for batch, times in timings.items():
+        for name, ms in times.items():
+            print(f"| {batch} | {name} | {ms:.2f} | {times['fp32'] / ms:.2f} |")
+    for name, metrics in checked.items():
+        print(f"{name} vs PyTorch fp32 on {args.check} sequences: cosine {metrics['cosine']:.5f}, lowest per "
+              f"sequence {metrics['lowest_sequence_cosine']:.5f}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"timings_ms": timings, "accuracy": checked, "verdicts": {
+            "fp32": fp32["verdict"], "int8": int8["verdict"]}, "int8_nodes": int8["precision"]["nodes"],
+            "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
