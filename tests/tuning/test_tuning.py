@@ -289,6 +289,8 @@ def test_bench_times_reduce_overhead_and_the_default_runner(tmp_path, tuned):
 
 
 # --------------------------------------------------------------------------- AOTInductor packages
+# Marked slow (make test-slow): the packages' build and their tuning take a minute on 2 cores; make test
+# covers the packages themselves in tests/backends/test_aoti.py.
 
 
 @pytest.fixture(scope="module")
@@ -316,6 +318,7 @@ def test_tune_times_the_aoti_packages(aoti_bundle):
     assert static_at_3["p50_ms"] is None and static_at_3["reason"] == "it takes batch sizes 1, 2, 4"
 
 
+@pytest.mark.slow
 def test_load_routes_to_aoti_choices_and_matches_onnxruntime(aoti_bundle, tmp_path):
 
     bundle = Path(shutil.copytree(aoti_bundle, tmp_path / "bundle"))
@@ -334,6 +337,7 @@ def test_load_routes_to_aoti_choices_and_matches_onnxruntime(aoti_bundle, tmp_pa
             np.testing.assert_allclose(value, expected[name], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_static_packages_run_where_onnxruntime_cannot(aoti_bundle, tmp_path, monkeypatch):
     """On a GPU machine with AOTInductor but no onnxruntime-gpu, the sizes the packages take run
     and the others are refused with the reason, instead of the whole load failing."""
@@ -366,6 +370,7 @@ def test_static_packages_run_where_onnxruntime_cannot(aoti_bundle, tmp_path, mon
         runner(x=np.zeros((3, 3, 8, 8), np.float32))
 
 
+@pytest.mark.slow
 def test_an_aoti_choice_for_another_torch_gives_way_to_onnxruntime(aoti_bundle, tmp_path):
 
     bundle = Path(shutil.copytree(aoti_bundle, tmp_path / "bundle"))
@@ -382,6 +387,7 @@ def test_an_aoti_choice_for_another_torch_gives_way_to_onnxruntime(aoti_bundle, 
                for note in runner.notes)
 
 
+@pytest.mark.slow
 def test_bench_times_the_aoti_packages_by_kind(aoti_bundle, tmp_path):
     result = cli("bench", aoti_bundle, "--factory", "model_zoo:tiny_conv", "--device", "cpu", "--batch", "2,3",
                  "--only", "aoti-static,aoti-dynamic,deploykit-load", "--json", "-o", tmp_path, *FAST)
