@@ -18,7 +18,6 @@ sequences disjoint from the calibration ones (cosine over everything, and the lo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "helpers")]
 
-from bench_int8_cpu import convert, time_graphs  # noqa: E402
+from bench_int8_cpu import add_shared_arguments, convert, print_summary, time_graphs, write_results  # noqa: E402
 
 VOCABULARY = 1000  # model_zoo.BertEncoder's
 
@@ -70,14 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="bench_int8_bert_cpu.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/deploykit-bench-int8-bert"))
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--samples", type=int, default=64, help="calibration sequences")
-    parser.add_argument("--check", type=int, default=16, help="sequences for the accuracy check")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--calls", type=int, default=5)
-    parser.add_argument("--method", default="minmax", choices=["minmax", "entropy", "percentile"])
-    parser.add_argument("--auto-fix", action="store_true", help="convert the int8 bundle with --auto-fix")
-    parser.add_argument("--out", type=Path, help="write the results as JSON")
+    add_shared_arguments(parser, samples=64, check=16, rounds=5, calls=5, unit="sequences")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "helpers"), os.environ.get("PYTHONPATH", "")])
@@ -107,26 +99,11 @@ def main() -> None:
     check = sequences(args.check, args.seq, seed=99)
     checked = accuracy(paths, check, reference_states(weights, check))
 
-    import onnxruntime
-
-    print(f"bert_base seq {args.seq}, onnxruntime {onnxruntime.__version__}, {os.cpu_count()} CPUs; int8 convert "
-          f"verdict {int8['verdict']} ({int8['convert_s']:.0f} s), {int8['precision']['nodes']['int8']} int8 / "
-          f"{int8['precision']['nodes']['float']} float nodes; fp32 verdict {fp32['verdict']}")
-    if fix := int8["precision"].get("auto_fix"):
-        print(f"auto-fix: {fix['stopped']}")
-    print("| batch | graph | p50 ms | fp32 / graph |")
-    print("| ---: | --- | ---: | ---: |")
-    for batch, times in timings.items():
-        for name, ms in times.items():
-            print(f"| {batch} | {name} | {ms:.2f} | {times['fp32'] / ms:.2f} |")
+    print_summary(f"bert_base seq {args.seq} (fp32 verdict {fp32['verdict']})", int8, timings)
     for name, metrics in checked.items():
         print(f"{name} vs PyTorch fp32 on {args.check} sequences: cosine {metrics['cosine']:.5f}, lowest per "
               f"sequence {metrics['lowest_sequence_cosine']:.5f}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"timings_ms": timings, "accuracy": checked, "verdicts": {
-            "fp32": fp32["verdict"], "int8": int8["verdict"]}, "int8_nodes": int8["precision"]["nodes"],
-            "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
+    write_results(args, timings, checked, fp32, int8)
 
 
 if __name__ == "__main__":

@@ -153,14 +153,7 @@ def main() -> None:
     parser.add_argument("--model", default="resnet18", help="a torchvision.models builder taking 3xNxN images")
     parser.add_argument("--work", type=Path, default=Path("/tmp/deploykit-bench-int8"))
     parser.add_argument("--image", type=int, default=224)
-    parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--samples", type=int, default=32, help="calibration images")
-    parser.add_argument("--check", type=int, default=64, help="images for the accuracy check")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--calls", type=int, default=10)
-    parser.add_argument("--method", default="minmax", choices=["minmax", "entropy", "percentile"])
-    parser.add_argument("--auto-fix", action="store_true", help="convert the int8 bundle with --auto-fix")
-    parser.add_argument("--out", type=Path, help="write the results as JSON")
+    add_shared_arguments(parser, samples=32, check=64, rounds=7, calls=10, unit="images")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
 
@@ -184,11 +177,33 @@ def main() -> None:
                for batch in map(int, args.batches.split(","))}
     checked = accuracy(args.model, args.work / "weights.pt", paths, args.image, args.check)
 
+    print_summary(f"{args.model} {args.image}x{args.image}", int8, timings)
+    for name, metrics in checked.items():
+        print(f"{name} vs PyTorch fp32 on {args.check} images: top-1 {metrics['top1_agreement']:.3f}, "
+              f"cosine {metrics['cosine']:.5f}")
+    write_results(args, timings, checked, fp32, int8)
+
+
+def add_shared_arguments(parser, samples: int, check: int, rounds: int, calls: int, unit: str) -> None:
+    """The options every int8 benchmark takes: batches, calibration and check sizes, rounds, method, output."""
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--samples", type=int, default=samples, help=f"calibration {unit}")
+    parser.add_argument("--check", type=int, default=check, help=f"{unit} for the accuracy check")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--calls", type=int, default=calls)
+    parser.add_argument("--method", default="minmax", choices=["minmax", "entropy", "percentile"])
+    parser.add_argument("--auto-fix", action="store_true", help="convert the int8 bundle with --auto-fix")
+    parser.add_argument("--out", type=Path, help="write the results as JSON")
+
+
+def print_summary(model: str, int8: dict, timings: dict[int, dict[str, float]]) -> None:
+    """What was converted (the int8 verdict and node counts, auto-fix's outcome), then the markdown table of
+    every graph's time at each batch and fp32's time over it."""
     import onnxruntime
 
-    print(f"{args.model} {args.image}x{args.image}, onnxruntime {onnxruntime.__version__}, {os.cpu_count()} CPUs; "
-          f"int8 convert verdict {int8['verdict']} ({int8['convert_s']:.0f} s), "
-          f"{int8['precision']['nodes']['int8']} int8 / {int8['precision']['nodes']['float']} float nodes")
+    print(f"{model}, onnxruntime {onnxruntime.__version__}, {os.cpu_count()} CPUs; int8 convert verdict "
+          f"{int8['verdict']} ({int8['convert_s']:.0f} s), {int8['precision']['nodes']['int8']} int8 / "
+          f"{int8['precision']['nodes']['float']} float nodes")
     if fix := int8["precision"].get("auto_fix"):
         print(f"auto-fix: {fix['stopped']}; kept float: {', '.join(entry['node'] for entry in fix['kept_float'])}")
     print("| batch | graph | p50 ms | fp32 / graph |")
@@ -196,14 +211,15 @@ def main() -> None:
     for batch, times in timings.items():
         for name, ms in times.items():
             print(f"| {batch} | {name} | {ms:.2f} | {times['fp32'] / ms:.2f} |")
-    for name, metrics in checked.items():
-        print(f"{name} vs PyTorch fp32 on {args.check} images: top-1 {metrics['top1_agreement']:.3f}, "
-              f"cosine {metrics['cosine']:.5f}")
+
+
+def write_results(args, timings: dict, checked: dict, fp32: dict, int8: dict) -> None:
+    """``--out``: the timings, accuracy, both verdicts, the int8 node counts and the arguments, as JSON."""
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"timings_ms": timings, "accuracy": checked, "verdicts": {
-            "fp32": fp32["verdict"], "int8": int8["verdict"]}, "args": {k: str(v) for k, v in vars(args).items()}},
-            indent=1))
+            "fp32": fp32["verdict"], "int8": int8["verdict"]}, "int8_nodes": int8["precision"]["nodes"],
+            "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
 
 
 if __name__ == "__main__":
