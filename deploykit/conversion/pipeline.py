@@ -181,7 +181,14 @@ def _validate(state: ConversionState) -> None:
                                         state.reference.output_names)
     candidates = _shipped_candidates(state)
     _check_signature(candidates[_first_onnx_label(candidates)], state.specs, state.reference.output_names)
-    state.validations = validate(state.reference, candidates, state.feed_sets, state.tolerances, PLAIN_EXPORT)
+    _validate_shipped(state, candidates)
+
+
+def _validate_shipped(state: ConversionState, candidates: dict | None = None) -> None:
+    """Validate what the bundle ships (``candidates``, else the current ones) against PyTorch; int8 scales
+    fitted to random data make every output inconclusive, in each round of auto-fix as in the first."""
+    state.validations = validate(state.reference, candidates or _shipped_candidates(state), state.feed_sets,
+                                 state.tolerances, PLAIN_EXPORT)
     if state.quantization is not None:
         reasons = state.quantization.inconclusive_reasons(state.reference.output_names)
         for validation in state.shipped_validations:
@@ -196,8 +203,7 @@ def _auto_fix(state: ConversionState) -> None:
                                         state.library.path)
     if state.engine is not None:
         _build_engine(state)
-    state.validations = validate(state.reference, _shipped_candidates(state), state.feed_sets, state.tolerances,
-                                 PLAIN_EXPORT)
+    _validate_shipped(state)
 
 
 def _auto_fix_int8(state: ConversionState) -> None:
@@ -212,8 +218,7 @@ def _auto_fix_int8(state: ConversionState) -> None:
     for size in quantize_fix.round_sizes(len(ranking), quantize_fix.MAX_FLOAT):
         kept = quantize_fix.with_feeding_ops(stage.fp32, [r.node for r in ranking[:size]], quantize.QUANTIZED_OPS)
         stage.requantize(kept)
-        state.validations = validate(state.reference, _shipped_candidates(state), state.feed_sets, state.tolerances,
-                                     PLAIN_EXPORT)
+        _validate_shipped(state)
         fix.rounds.append(quantize_fix.FixRound(kept, state.passed, quantize_fix.latency_ms(stage.model, feeds, library)))
         if state.passed:
             fix.stopped = f"passed with {len(kept)} node(s) in float"

@@ -222,6 +222,19 @@ def test_auto_fix_keeps_the_nodes_int8_breaks_in_float(tmp_path):
     assert precision["nodes"] == {"int8": 3, "float": 0} and precision["auto_fix"]["kept_float"] == []
 
 
+def test_auto_fix_on_random_calibration_stays_inconclusive(tmp_path):
+    """Without --calibration, a round of auto-fix that passes proves no more than the first quantization: the
+    verdict stays inconclusive (exit 5), as it is without auto-fix."""
+    torch.manual_seed(0)
+    torch.save(model_zoo.outlier_feature().eval().state_dict(), tmp_path / "weights.pt")
+    result = convert(tmp_path, "weights.pt", "--factory", "model_zoo:outlier_feature", "--input", "x:1x16",
+                     "--batch", "1:4:8", "--precision", "int8", "--auto-fix", "-o", "bundle")
+    assert result.returncode == 5, result.stderr
+    assert "auto-fix: passed with 2 node(s) in float" in result.stderr
+    report = json.loads((tmp_path / "bundle" / "report.json").read_text())
+    assert report["verdict"] == "inconclusive" and report["precision"]["auto_fix"]["kept_float"]
+
+
 def test_auto_fix_rounds_and_the_ops_that_feed_a_kept_node():
     from deploykit.conversion.quantize import QUANTIZED_OPS
     from deploykit.conversion.quantize_fix import round_sizes, with_feeding_ops
