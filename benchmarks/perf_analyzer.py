@@ -12,9 +12,9 @@ finds no stable measurement; either way the level has no numbers, its ``errors``
 failed) and ``failure`` (why) say so, and this script exits 1. Windows are judged stable on
 throughput and p99 latency; a level where p99 never settles (on a GPU server at 256 connections, a
 few slow answers move it by more than 20 %) is measured again judged on throughput and mean latency,
-and its row says ``stable on: mean`` (its p50/p95/p99 still come from perf_analyzer's CSV). Inputs are zeros by default
-(perf_analyzer's random bytes may hold NaN, which deploykit serve refuses as it should), or a JSON
-file of real inputs (``--input-data``). The answers' correctness is serve_load.py's to check.
+and its row says ``stable on: mean`` (its p50/p95/p99 still come from perf_analyzer's CSV). Inputs
+are zeros by default (perf_analyzer's random bytes may hold NaN, which deploykit serve refuses as it
+should), or a JSON file of real inputs (``--input-data``). The answers' correctness is serve_load.py's to check.
 
 Usage: python benchmarks/perf_analyzer.py MODEL --http HOST:PORT [--grpc HOST:PORT] --out DIR
            [--concurrency 1,16,64,128,256] [--measurement-interval-ms 5000] [--stability-percentage 10]
@@ -88,7 +88,7 @@ def measure(program, args, protocol: str, url: str, concurrency: int) -> dict:
 
 def run_level(program, args, protocol: str, url: str, concurrency: int, stable_on: str) -> dict:
     """perf_analyzer at one concurrency, windows judged on throughput and ``stable_on`` latency."""
-    stem = args.out / f"{protocol}-c{concurrency}" if stable_on == "p99" else args.out / f"{protocol}-c{concurrency}-mean"
+    stem = args.out / f"{protocol}-c{concurrency}{'' if stable_on == 'p99' else '-mean'}"
     report, log = stem.with_suffix(".csv"), stem.with_suffix(".log")
     report.unlink(missing_ok=True)
     command = [*program.command, "-m", args.model, "-u", url, "-i", protocol,

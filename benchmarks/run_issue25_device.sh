@@ -103,6 +103,9 @@ elif has_step convert; then
     convert; stamp "converted"
   fi
 fi
+gpu_tests_done() {  # the log into $OUT, and pytest's last line
+  cp "$WORK.gpu-tests.log" "$OUT/gpu-tests.log"; stamp "tests/gpu: $(tail -n 2 "$OUT/gpu-tests.log" | head -n 1)"
+}
 if has_step gputests; then
   gpu_tests() {
     cd "$root" && python3 -m pytest tests/gpu -n "${GPU_TEST_WORKERS:-4}" --dist loadscope -p no:cacheprovider \
@@ -114,12 +117,12 @@ if has_step gputests; then
     setsid nohup bash -c gpu_tests > /dev/null 2>&1 < /dev/null &
     stamp "tests/gpu in the background (log: $WORK.gpu-tests.log)"
   else
-    gpu_tests; cp "$WORK.gpu-tests.log" "$OUT/gpu-tests.log"; stamp "tests/gpu: $(tail -n 2 "$OUT/gpu-tests.log" | head -n 1)"
+    gpu_tests; gpu_tests_done
   fi
 fi
 if has_step gputests-wait; then
   until grep -q '^exit ' "$WORK.gpu-tests.log" 2> /dev/null; do sleep 5; done
-  cp "$WORK.gpu-tests.log" "$OUT/gpu-tests.log"; stamp "tests/gpu: $(tail -n 2 "$OUT/gpu-tests.log" | head -n 1)"
+  gpu_tests_done
 fi
 if has_step wait; then
   while [ ! -f "$WORK/converted" ]; do sleep 5; done

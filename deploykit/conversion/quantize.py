@@ -139,7 +139,7 @@ class QuantizationStage:
               target: str = "onnxruntime") -> QuantizationStage:
         fp32 = name_nodes(optimized)  # the report names every node, quantized or float
         try:
-            model = quantize(fp32, calibration.batches, method, symmetric=target == "tensorrt")
+            model = quantize(fp32, calibration.batches, method, target=target)
         except Exception as error:
             if calibration.random or not type(error).__module__.startswith("onnxruntime"):
                 raise  # our own random samples always run: a failure there is a bug
@@ -151,8 +151,7 @@ class QuantizationStage:
 
     def requantize(self, kept_float: list[str]) -> None:
         """Quantize the fp32 graph again (same samples and method) with ``kept_float`` left in float."""
-        self.model = quantize(self.fp32, self.calibration.batches, self.method, kept_float,
-                              symmetric=self.target == "tensorrt")
+        self.model = quantize(self.fp32, self.calibration.batches, self.method, kept_float, self.target)
         self.nodes = node_precisions(self.fp32, self.model, set(kept_float))
 
     def fixable_nodes(self) -> set[str]:
@@ -181,11 +180,13 @@ class QuantizationStage:
 
 
 def quantize(model: onnx.ModelProto, batches: list[dict[str, np.ndarray]], method: str,
-             kept_float: list[str] = (), symmetric: bool = False) -> onnx.ModelProto:
+             kept_float: list[str] = (), target: str = "onnxruntime") -> onnx.ModelProto:
     """``model`` quantized by ONNX Runtime's ``quantize_static`` (QDQ), calibrated on ``batches``;
-    ``kept_float``: nodes auto-fix keeps in float; ``symmetric``: int8 activations with zero points 0
-    and float biases, the only int8 TensorRT builds."""
+    ``kept_float``: nodes auto-fix keeps in float; ``target`` (TARGETS) "tensorrt": int8 activations with
+    zero points 0 and float biases, the only int8 TensorRT builds."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    symmetric = target == "tensorrt"
 
     methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                "percentile": CalibrationMethod.Percentile}

@@ -320,7 +320,6 @@ def test_tune_times_the_aoti_packages(aoti_bundle):
 
 @pytest.mark.slow
 def test_load_routes_to_aoti_choices_and_matches_onnxruntime(aoti_bundle, tmp_path):
-
     bundle = Path(shutil.copytree(aoti_bundle, tmp_path / "bundle"))
 
     def prefer_static(manifest):  # whatever was fastest here, route batch 2 to the static packages
