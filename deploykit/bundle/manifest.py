@@ -83,10 +83,11 @@ def tensor_spec(value: onnx.ValueInfoProto, batch: dict | None = None) -> dict:
 
 
 def _quantization(state: ConversionState) -> dict | None:
-    """int8: how it was calibrated (random data is said so), which nodes run in int8 and which stay float."""
-    if state.quantization is None:
+    """int8, fp8: how it was calibrated (random data is said so), which nodes (fp8: Linear layers) are
+    quantized and which stay float."""
+    if state.quantized is None:
         return None
-    entry = state.quantization.to_json()
+    entry = state.quantized.to_json()
     keys = ("format", "calibration_method", "calibration", "quantized_nodes", "float_nodes")
     return {key: entry[key] for key in keys}
 

@@ -106,7 +106,7 @@ class AotiPackage(Part):
     gpu: str | None = None
     cpu_isa: str | None = None
     batch: BatchRange
-    precision: Literal["fp32", "fp16", "bf16"]
+    precision: Literal["fp32", "fp16", "bf16", "fp8"]
     cuda_graph: bool = False
     inductor_configs: dict[str, bool | int | float | str] = {}  # what aoti_compile_and_package was given
     validated: bool = False
@@ -167,7 +167,7 @@ class Header(Part):
 
 
 class Quantization(Part):
-    """int8 (``convert --precision int8``): the calibration (``note`` says when it was random data, which
+    """int8 or fp8 (``convert --precision int8|fp8``): the calibration (``note`` says when it was random data, which
     proves nothing for real inputs), the nodes quantized, the nodes kept float and why."""
 
     format: str
@@ -181,7 +181,7 @@ class Manifest(Header):
     created: str = ""
     source: str = ""
     model: FileName = "model.onnx"
-    precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
+    precision: Literal["fp32", "fp16", "bf16", "int8", "fp8"] = "fp32"
     io_precision: Literal["fp32", "fp16", "bf16"] | None = None
     reference_model: FileName | None = None
     quantization: Quantization | None = None

@@ -17,8 +17,8 @@ from deploykit.cli._printing import (
 )
 
 PRECISIONS = ["fp32", "fp16", "bf16"]
-#: int8 is a precision of the weights and activations only: inputs and outputs stay float.
-MODEL_PRECISIONS = [*PRECISIONS, "int8"]
+#: int8 and fp8 are precisions of the weights and activations only: inputs and outputs stay float.
+MODEL_PRECISIONS = [*PRECISIONS, "int8", "fp8"]
 
 #: fp32 nodes of a low-precision graph listed by name; report.json has the rest.
 _LISTED_FP32_NODES = 8
@@ -42,9 +42,10 @@ _LISTED_FP32_NODES = 8
 @tolerance_option
 @click.option("--precision", type=click.Choice(MODEL_PRECISIONS), default="fp32", show_default=True,
               help="Write this precision into the graph; sensitive nodes stay fp32 (int8: ONNX Runtime's static "
-                   "quantization on the CPU; docs/precision.md).")
+                   "quantization on the CPU; fp8: the Linear layers' products in AOTInductor packages, --backend aoti; "
+                   "docs/precision.md).")
 @click.option("--calibration", "calibration_path", type=click.Path(path_type=Path),
-              help="int8: samples that fit the scales (.npz named after the model inputs, axis 0 = samples); "
+              help="int8, fp8: samples that fit the scales (.npz named after the model inputs, axis 0 = samples); "
                    "without it random inputs do, and the verdict is inconclusive.")
 @click.option("--calibration-method", type=click.Choice(["minmax", "entropy", "percentile"]), default="minmax",
               show_default=True, help="int8: how the activation ranges are chosen from the calibration samples.")
@@ -142,7 +143,9 @@ def _precision_lines(report: dict) -> list[str]:
     if info.get("precision", "fp32") == "fp32":
         return []
     if info["precision"] == "int8":
-        return _int8_lines(info)
+        return _quantized_lines(info)
+    if info["precision"] == "fp8":  # the products in the packages, the rest an fp16 graph
+        return [*_quantized_lines(info), *_precision_lines({"precision": info["graph"]})]
     nodes, low = info["nodes"], info["precision"]
     lines = [f"Precision: {low} ({_count(nodes[low], 'node')} {low}, {nodes['fp32']} fp32, "
              f"{_count(info['casts'], 'cast')}); {info['execution']}"]
@@ -161,10 +164,10 @@ def _precision_lines(report: dict) -> list[str]:
     return lines
 
 
-def _int8_lines(info: dict) -> list[str]:
-    """What ``convert --precision int8`` prints: the counts, the calibration, the float nodes that matter."""
-    nodes, calibration = info["nodes"], info["calibration"]
-    lines = [f"Precision: int8 ({_count(nodes['int8'], 'node')} int8, {nodes['float']} float; {info['format']}); "
+def _quantized_lines(info: dict) -> list[str]:
+    """What ``convert --precision int8|fp8`` prints: the counts, the calibration, the float nodes that matter."""
+    nodes, calibration, low = info["nodes"], info["calibration"], info["precision"]
+    lines = [f"Precision: {low} ({_count(nodes[low], 'node')} {low}, {nodes['float']} float; {info['format']}); "
              f"calibrated ({info['calibration_method']}) on {calibration['samples']} "
              + ("seeded random samples (see ? below)" if calibration.get("note") else f"samples of {calibration['source']}")]
     by_reason: dict[str, collections.Counter] = {}

@@ -18,6 +18,7 @@ import torch
 from deploykit.backends.aoti.loader import Package, load_package
 from deploykit.backends.aoti.runner import AotiRunner, CudaGraph, exact_fp32, flat_outputs
 from deploykit.backends.torch.runner import flatten_outputs
+from deploykit.conversion.fp8 import Fp8Stage, check_device as check_fp8_device
 from deploykit.conversion.loading import LoadedModel
 from deploykit.errors import BadInputError, DeployKitError, EnvironmentProblem, error_summary
 from deploykit.specs import BatchRange, InputSpec
@@ -25,7 +26,8 @@ from deploykit.validation.inputs import random_feeds
 
 #: ``--aoti-shapes``: one package over the batch range, one per validated batch size, or both.
 SHAPES = ("dynamic", "static", "both")
-TORCH_TYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: what the packages compute in; fp8's Linear products are fp8 (:mod:`deploykit.conversion.fp8`), the rest fp16
+TORCH_TYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float16}
 #: inductor settings per package device, recorded in each manifest entry. On cuda, freezing lets
 #: inductor fold the weights as constants and lay them out once (channels-last convolutions without
 #: a weight conversion per call); benchmarks/probe_aoti_configs.py times it against no freezing.
@@ -88,11 +90,16 @@ def skip_reason(loaded: LoadedModel, backend: str) -> str | None:
 
 
 def build_aoti_stage(loaded: LoadedModel, specs: list[InputSpec], io: tuple[list[dict], list[dict]],
-                     batch: BatchRange | None, sizes: list[int], shapes: str, precision: str) -> AotiStage:
+                     batch: BatchRange | None, sizes: list[int], shapes: str, precision: str,
+                     fp8_stage: Fp8Stage | None = None) -> AotiStage:
     """Compile the packages ``shapes`` asks for (one static package where the batch is fixed) for
-    cuda when torch sees a GPU, else for the CPU; ``io`` is the bundle's (inputs, outputs) specs."""
+    cuda when torch sees a GPU, else for the CPU; ``io`` is the bundle's (inputs, outputs) specs;
+    ``fp8_stage`` (fp8): the Linear layers to compute in fp8."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = _as_deployed(loaded, io, precision, device)
+    if fp8_stage is not None:
+        check_fp8_device(device)
+        fp8_stage.apply(model.module)
     folder = tempfile.TemporaryDirectory(prefix="deploykit-aoti-")
     packages, loaded_packages = [], {}
     for kind, batch_range in _plan(batch, sizes, shapes):

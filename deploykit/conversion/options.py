@@ -29,9 +29,14 @@ class ConvertOptions:
     seed: int = 0
     tolerances: list[str] = dataclasses.field(default_factory=list)
     force: bool = False
-    precision: str = "fp32"  # fp16/bf16/int8: docs/precision.md
-    calibration_path: Path | None = None  # int8: the .npz whose samples fit the scales (None: random inputs)
+    precision: str = "fp32"  # fp16/bf16/int8/fp8: docs/precision.md
+    calibration_path: Path | None = None  # int8, fp8: the .npz whose samples fit the scales (None: random inputs)
     calibration_method: str = "minmax"  # int8: minmax | entropy | percentile
     io_precision: str | None = None  # None: inputs and outputs keep their declared types
     auto_fix: bool = False  # pin the nodes that break reduced-precision validation to fp32
     tune: bool = False  # after writing the bundle, time what runs here and record the fastest (docs/tuning.md)
+
+    @property
+    def graph_precision(self) -> str:
+        """The ONNX graph's precision: fp8's products are compiled into the AOTInductor packages, its graph is fp16."""
+        return "fp16" if self.precision == "fp8" else self.precision

@@ -1,7 +1,7 @@
 """What the CLI calls and users import: ``convert()`` runs the pipeline stage by stage.
 
 load -> check inputs -> export -> passes -> [precision | int8] -> [op library] -> [TensorRT engine]
--> [AOTInductor packages] -> validate -> [auto-fix] -> report -> bundle (see DESIGN.md). ``STEPS``
+-> [AOTInductor packages, fp8's among them] -> validate -> [auto-fix] -> report -> bundle (see DESIGN.md). ``STEPS``
 lists the steps in order, each with the condition under which it runs; the state they share is
 :class:`~deploykit.conversion.state.ConversionState`.
 """
@@ -27,7 +27,7 @@ from deploykit.bundle import write as bundle
 from deploykit.bundle.format import MODEL, REFERENCE_MODEL, REPORT, REPORT_PAGE
 from deploykit.bundle.manifest import build_manifest, native_files, tensor_spec
 from deploykit.bundle.read import open_bundle
-from deploykit.conversion import aoti
+from deploykit.conversion import aoti, fp8
 from deploykit.conversion.engine import build_tensorrt_stage
 from deploykit.conversion.export import check_program_batch, export_onnx
 from deploykit.conversion.loading import LoadedModel, load_model
@@ -73,8 +73,9 @@ def convert(options: ConvertOptions, stage=_no_stage) -> ConvertResult:
     """Convert, validate and bundle a model. ``stage(title)`` wraps each step (progress display)."""
     bundle.prepare_destination(Path(options.output).absolute(), options.force)
     quantize.check_options(options)
+    fp8.check_options(options)
     if options.precision != "int8":
-        check_precision(options.precision, options.io_precision, options.auto_fix)
+        check_precision(options.graph_precision, options.io_precision, options.auto_fix)
     state = ConversionState(options)
     for step in STEPS:
         if step.runs_when(state):
@@ -111,7 +112,7 @@ def _run_reference(state: ConversionState) -> None:
     state.example = _example_inputs(state.specs, state.options.batch)
     _probe(state.reference, state.example, state.specs)
     state.feed_sets = _validation_feeds(state.specs, state.options)
-    if state.options.precision == "int8":  # a bad --calibration file stops here, before the export
+    if state.options.precision in ("int8", "fp8"):  # a bad --calibration file stops here, before the export
         state.calibration = quantize.Calibration.read(state.options, state.specs)
 
 
@@ -135,7 +136,8 @@ def _optimize_portable(state: ConversionState) -> None:
 
 def _write_precision(state: ConversionState) -> None:
     options = state.options
-    state.precision = PrecisionStage.start(state.optimized, options.precision, options.io_precision, state.example)
+    state.precision = PrecisionStage.start(state.optimized, options.graph_precision, options.io_precision,
+                                           state.example)
     state.typed = state.precision.model
     if _tensorrt_requested(state):
         graph = state.portable if state.portable is not None else state.optimized
@@ -172,8 +174,10 @@ def _compile_aoti(state: ConversionState) -> None:
     io = [tensor_spec(v, options.batch.to_json() if options.batch else None) for v in graph.input], \
         [tensor_spec(v) for v in graph.output]
     sizes = [batch_size(feeds) for feeds in state.feed_sets]
+    if options.precision == "fp8":
+        state.fp8 = fp8.Fp8Stage.start(state.loaded.module, state.calibration)
     state.aoti = aoti.build_aoti_stage(state.loaded, state.specs, io, options.batch, sizes, options.aoti_shapes,
-                                       options.precision)
+                                       options.precision, state.fp8)
 
 
 def _validate(state: ConversionState) -> None:
@@ -185,12 +189,12 @@ def _validate(state: ConversionState) -> None:
 
 
 def _validate_shipped(state: ConversionState, candidates: dict | None = None) -> None:
-    """Validate what the bundle ships (``candidates``, else the current ones) against PyTorch; int8 scales
-    fitted to random data make every output inconclusive, in each round of auto-fix as in the first."""
+    """Validate what the bundle ships (``candidates``, else the current ones) against PyTorch; int8 or fp8
+    scales fitted to random data make every output inconclusive, in each round of auto-fix as in the first."""
     state.validations = validate(state.reference, candidates or _shipped_candidates(state), state.feed_sets,
                                  state.tolerances, PLAIN_EXPORT)
-    if state.quantization is not None:
-        reasons = state.quantization.inconclusive_reasons(state.reference.output_names)
+    if state.quantized is not None:
+        reasons = state.quantized.inconclusive_reasons(state.reference.output_names)
         for validation in state.shipped_validations:
             validation.inconclusive = {**validation.inconclusive, **reasons}
 
@@ -276,7 +280,7 @@ def _tune_requested(state: ConversionState) -> bool:
 
 
 def _reduced_precision(state: ConversionState) -> bool:
-    return state.options.precision in LOW_TYPES
+    return state.options.graph_precision in LOW_TYPES
 
 
 def _int8(state: ConversionState) -> bool:
@@ -318,7 +322,7 @@ STEPS = (
     Step("Optimizing the graph", _optimize),
     Step("Optimizing the graph for TensorRT (without ONNX Runtime's fused ops)", _optimize_portable,
          _tensorrt_needs_portable_graph),
-    Step("Writing {options.precision} into the graph", _write_precision, _reduced_precision),
+    Step("Writing {options.graph_precision} into the graph", _write_precision, _reduced_precision),
     Step("Quantizing to int8 (ONNX Runtime static quantization, {options.calibration_method} calibration)",
          _quantize, _int8),
     Step("Building deploykit's op library (cached after the first run)", _find_op_library, _uses_deploykit_ops),

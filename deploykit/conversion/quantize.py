@@ -59,9 +59,12 @@ RANDOM_DATA_NOTE = ("the int8 scales were calibrated on random inputs (no --cali
 
 def check_options(options: ConvertOptions) -> None:
     """Refuse what int8 does not do yet, and the int8 options without --precision int8."""
+    if options.precision == "fp8":
+        return  # fp8.check_options
     if options.precision != "int8":
         if options.calibration_path is not None or options.calibration_method != "minmax":
-            raise BadInputError("--calibration and --calibration-method apply to int8: add --precision int8")
+            raise BadInputError("--calibration and --calibration-method apply to int8 and fp8: add --precision int8 "
+                                "(or fp8 with --backend aoti)")
         return
     refused = {
         "--io-precision": options.io_precision is not None,

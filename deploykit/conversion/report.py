@@ -70,8 +70,8 @@ def _verdict(state: ConversionState) -> dict:
                f"(worst max abs error {worst:.3g}{', within fp32 rounding' if rounding else ''})")
     if not state.passed:
         summary = f"{failed_checks} check(s) failed on batch sizes {sizes}"
-    elif state.quantization is not None and state.quantization.calibration.random:
-        summary += (", but the int8 scales were fitted to random inputs (no --calibration): that proves nothing "
+    elif state.quantized is not None and state.quantized.calibration.random:
+        summary += (f", but the {state.options.precision} scales were fitted to random inputs (no --calibration): that proves nothing "
                     "for real inputs")
     elif final.inconclusive:
         summary += (f", but that proves nothing for output {', '.join(final.inconclusive)}: "
@@ -86,7 +86,10 @@ def _verdict(state: ConversionState) -> dict:
 
 
 def _precision(state: ConversionState) -> dict:
-    """fp16/bf16's stage, int8's (what was quantized, what stayed float, what calibrated it), or fp32."""
+    """fp16/bf16's stage, int8's (what was quantized, what stayed float, what calibrated it), fp8's (the
+    same, with the fp16 graph's stage), or fp32."""
+    if state.fp8 is not None:
+        return {**state.fp8.to_json(), "graph": state.precision.to_json()}
     if state.precision is not None:
         return state.precision.to_json()
     if state.quantization is not None:
@@ -101,6 +104,9 @@ def _failure_origin(state: ConversionState) -> str:
     if state.quantization is not None:
         return ("the fp32 export passes, so int8 lost the accuracy: calibrate on real data (--calibration), try "
                 "--calibration-method entropy or percentile, or keep --precision fp32 or fp16")
+    if state.fp8 is not None:
+        return ("the fp32 export passes, so fp8 or fp16 lost the accuracy: calibrate on real data (--calibration), "
+                "convert with --auto-fix, or keep --precision fp16")
     if state.precision is not None:
         return (f"the fp32 export passes, so {state.options.precision} lost the accuracy: deploykit debug BUNDLE "
                 "names the nodes, convert --auto-fix pins them to fp32")

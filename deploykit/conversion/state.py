@@ -16,6 +16,7 @@ from deploykit.backends.onnxruntime.loader import OpLibrary
 from deploykit.conversion.aoti import AotiStage
 from deploykit.conversion.engine import EngineStage
 from deploykit.conversion.export import ExportResult
+from deploykit.conversion.fp8 import Fp8Stage
 from deploykit.conversion.loading import LoadedModel
 from deploykit.conversion.options import ConvertOptions
 from deploykit.conversion.precision import PrecisionStage
@@ -56,8 +57,10 @@ class ConversionState:
     library: OpLibrary = OpLibrary(None, "the graph uses no deploykit op")
     # "Building the TensorRT engine"; auto-fix rebuilds it from the fixed graph
     engine: EngineStage | None = None
-    # "Compiling AOTInductor packages" (--backend aoti|all); no packages, only a note, where all skips them
+    # "Compiling AOTInductor packages" (--backend aoti|all); no packages, only a note, where all skips them.
+    # fp8: the Linear layers the packages compute in fp8, and their calibration
     aoti: AotiStage | None = None
+    fp8: Fp8Stage | None = None
     # "Validating against PyTorch"; auto-fix validates again. The first candidate is the bundle
     # as it will run, the last the plain export.
     tolerances: dict[str, Tolerance] = dataclasses.field(default_factory=dict)
@@ -77,6 +80,11 @@ class ConversionState:
         """The latest graph: auto-fixed, else typed to the precision or quantized, else optimized."""
         quantized = self.quantization.model if self.quantization is not None else None
         return next((g for g in (self.fixed, self.typed, quantized, self.optimized) if g is not None), None)
+
+    @property
+    def quantized(self) -> QuantizationStage | Fp8Stage | None:
+        """The int8 or fp8 stage: what was quantized, and on what it was calibrated."""
+        return self.quantization or self.fp8
 
     @property
     def reference_graph(self) -> onnx.ModelProto | None:

@@ -107,6 +107,8 @@ def load_source(bundle: runtime.Bundle, model: Path | None, factory: str | None,
 
 
 REDUCED = ("fp16", "bf16")
+#: the PyTorch precision a bundle is measured against: fp8 computes all but its Linear products in fp16
+PYTORCH_PRECISION = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "int8": "fp32", "fp8": "fp16"}
 PYTORCH_KEYS = ("pytorch", "torch-compile", "reduce-overhead")
 KEYS = (*PYTORCH_KEYS, *(f"{key}-{p}" for p in REDUCED for key in PYTORCH_KEYS),
         "ort-plain", "ort-functions", "ort-deploykit", "ort-cuda-graph", "baseline", "baseline-cuda-graph", "tensorrt",
@@ -128,7 +130,7 @@ def contenders(bundle: runtime.Bundle, settings: Settings, source: SourceModel, 
     """
     graph = "ONNX Runtime: deploykit graph" + (" + op library" if bundle.op_library else "")
     device, tf32, trust_native = settings.device, settings.tf32, settings.trust_native
-    precision = bundle.manifest.get("precision", "fp32")
+    precision = PYTORCH_PRECISION[bundle.manifest.get("precision", "fp32")]
     ro_label = 'torch.compile(mode="reduce-overhead")' + ("" if device == "cuda" else " (CPU: no CUDA graphs)")
     plans = [
         ("pytorch", "PyTorch eager", lambda: _eager(source, device)),
@@ -440,7 +442,7 @@ def _synchronized_step(runner, feeds: dict, device: str) -> Step:
 def add_ratios(entries: list[dict]) -> None:
     """``vs_fastest``: p50 latency over the fastest contender's at the same batch size (1.0 = fastest).
     ``vs_reduce_overhead``: over torch.compile(mode="reduce-overhead")'s in the contender's precision
-    at that batch size (below 1: faster than it), None where that one did not run."""
+    (:data:`PYTORCH_PRECISION`: fp16 for fp8, fp32 for int8) at that batch size (below 1: faster than it), None where that one did not run."""
     best: dict[int, float] = {}
     for entry in entries:
         for result in entry["results"]:
@@ -450,7 +452,7 @@ def add_ratios(entries: list[dict]) -> None:
     for entry in entries:
         for result in entry["results"]:
             result["vs_fastest"] = result["p50_ms"] / best[result["batch"]]
-            baseline = baselines.get((entry["precision"], result["batch"]))
+            baseline = baselines.get((PYTORCH_PRECISION[entry["precision"]], result["batch"]))
             result["vs_reduce_overhead"] = result["p50_ms"] / baseline if baseline else None
 
 

@@ -28,6 +28,9 @@ DEFAULT_TOLERANCES = {
     # elementwise bound would have to be as loose as the largest activation, so direction (cosine)
     # and the decision (top-1) judge it (docs/precision.md).
     "int8": {"atol": None, "rtol": None, "min_cosine": 0.99, "min_top1": 0.95, "top1_tie_margin": 3.0},
+    # fp8 e4m3 keeps 3 mantissa bits: each product's inputs are rounded by up to 1/16 of their value,
+    # so, as for int8, direction and decision judge it, not an elementwise bound.
+    "fp8": {"atol": None, "rtol": None, "min_cosine": 0.99, "min_top1": 0.95, "top1_tie_margin": 3.0},
 }
 _REL_EPS = 1e-12
 #: Largest number of error samples kept for the report's histogram.

@@ -1,0 +1,173 @@
+"""Convert's fp8 stage: ``convert --precision fp8 --backend aoti``.
+
+The matrix products of the model's ``nn.Linear`` layers run in float8 e4m3 through
+``torch._scaled_mm`` (cuBLASLt's fp8 kernels on compute capability >= 8.9), compiled into the
+AOTInductor packages; everything else computes in fp16, and the bundle's ONNX graph is the fp16
+graph (ONNX Runtime has no fast fp8 kernels). Scales are per tensor and static: each weight's
+from its largest magnitude, each activation's from the largest magnitude the layer's input reached
+on the calibration samples, so quantizing an activation is one multiply and cast that inductor
+fuses into the op that produced it. docs/precision.md says why and what was measured.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+
+from deploykit.bundle.format import REFERENCE_MODEL
+from deploykit.conversion.quantize import Calibration
+from deploykit.errors import BadInputError, EnvironmentProblem
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+#: compute capability of the first GPUs with fp8 tensor cores (Ada, Hopper)
+MIN_CUDA_CAPABILITY = (8, 9)
+#: cuBLASLt's fp8 products take inner and output sizes that are multiples of 16
+ALIGNMENT = 16
+FORMAT = ("torch._scaled_mm in the AOTInductor packages: float8 e4m3 weights and activations of the nn.Linear "
+          "layers, static per-tensor scales; the rest fp16; model.onnx is the fp16 graph")
+RANDOM_DATA_NOTE = ("the fp8 activation scales were calibrated on random inputs (no --calibration): they fit "
+                    "random data, so this result proves nothing for real inputs; convert with --calibration "
+                    "data.npz (several hundred real samples, named like the model's inputs)")
+_IN_ATTENTION = ("inside nn.MultiheadAttention, which reads the layer's weight directly (its product cannot be "
+                 "replaced)")
+
+
+def check_options(options) -> None:
+    """fp8 is compiled into AOTInductor packages, with activation ranges taken as measured (minmax)."""
+    if options.precision != "fp8":
+        return
+    if options.backend != "aoti":
+        raise BadInputError(f"--backend {options.backend} is not supported with --precision fp8 (fp8 is compiled "
+                            "into AOTInductor packages); add --backend aoti, or convert with --precision fp16")
+    if options.io_precision is not None:
+        raise BadInputError("--io-precision is not supported with --precision fp8 (inputs and outputs keep their "
+                            "declared types); drop --io-precision")
+    if options.calibration_method != "minmax":
+        raise BadInputError(f"--calibration-method {options.calibration_method} applies to int8; fp8 scales are "
+                            "the calibrated largest magnitudes (minmax): drop --calibration-method")
+
+
+def check_device(device: str) -> None:
+    """fp8 tensor cores start at compute capability 8.9; on the CPU torch's fp8 kernels compute it exactly."""
+    if device != "cuda":
+        return
+    capability = torch.cuda.get_device_capability()
+    if capability < MIN_CUDA_CAPABILITY:
+        raise EnvironmentProblem(f"--precision fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper, "
+                                 f"Blackwell); {torch.cuda.get_device_name()} is {capability[0]}.{capability[1]}: "
+                                 "convert with --precision fp16")
+
+
+class Fp8Linear(torch.nn.Module):
+    """``nn.Linear`` with its product in fp8: y = (x / s_x) @ (W / s_w)^T * s_x * s_w + b, the two
+    quotients cast to e4m3 (clamped to its range), the sum kept in fp32 and returned in x's dtype."""
+
+    def __init__(self, linear: torch.nn.Linear, input_amax: float):
+        super().__init__()
+        weight = linear.weight.detach().float()
+        weight_scale = (weight.abs().max() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+        input_scale = max(input_amax, torch.finfo(torch.float32).tiny) / FP8_MAX
+        self.register_buffer("weight", (weight / weight_scale).to(FP8))  # [out, in]: its .t() is column-major
+        self.register_buffer("weight_scale", weight_scale.reshape(()))
+        self.register_buffer("input_scale", torch.tensor(input_scale, dtype=torch.float32))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        quantized = (rows * (1.0 / self.input_scale).to(x.dtype)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        product = torch._scaled_mm(quantized, self.weight.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
+                                   bias=bias, out_dtype=x.dtype)
+        return product.reshape(*x.shape[:-1], product.shape[-1])
+
+
+@dataclasses.dataclass
+class Fp8Stage:
+    """What was quantized (the Linear layers by qualified name, with their inputs' calibrated ranges),
+    what stayed fp16 and why, and what calibrated it."""
+
+    calibration: Calibration
+    input_amax: dict[str, float]  # the quantized layers
+    float_layers: dict[str, str]  # layer -> why it stays fp16
+
+    @classmethod
+    def start(cls, module: torch.nn.Module, calibration: Calibration) -> Fp8Stage:
+        eligible, float_layers = _eligible_linears(module)
+        if not eligible:
+            reasons = "; ".join(f"{name}: {why}" for name, why in list(float_layers.items())[:3])
+            raise BadInputError("--precision fp8 found no nn.Linear layer to quantize"
+                                f"{' (' + reasons + ')' if reasons else ''}; convert with --precision fp16")
+        return cls(calibration, _calibrate(module, eligible, calibration), float_layers)
+
+    def apply(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``module`` (a copy, in its compute precision) with each quantized layer an :class:`Fp8Linear`."""
+        for name, amax in self.input_amax.items():
+            parent, _, child = name.rpartition(".")
+            owner = module.get_submodule(parent)
+            setattr(owner, child, Fp8Linear(getattr(owner, child), amax).to(getattr(owner, child).weight.device))
+        return module
+
+    def inconclusive_reasons(self, output_names: list[str]) -> dict[str, str]:
+        """Every output, where the scales were fitted to random data: passing proves nothing for real inputs."""
+        return dict.fromkeys(output_names, RANDOM_DATA_NOTE) if self.calibration.random else {}
+
+    def to_json(self) -> dict:
+        calibration = self.calibration.to_json()
+        if self.calibration.random:
+            calibration["note"] = RANDOM_DATA_NOTE
+        return {
+            "precision": "fp8",
+            "io_precision": None,
+            "reference_model": REFERENCE_MODEL,
+            "format": FORMAT,
+            "calibration_method": "minmax",
+            "calibration": calibration,
+            "nodes": {"fp8": len(self.input_amax), "float": len(self.float_layers)},
+            "quantized_nodes": list(self.input_amax),
+            "float_nodes": [{"node": name, "op": "Linear", "precision": "fp16", "reason": why}
+                            for name, why in self.float_layers.items()],
+            "auto_fix": None,
+        }
+
+
+def _eligible_linears(module: torch.nn.Module) -> tuple[list[str], dict[str, str]]:
+    """The Linear layers fp8 can take, and why each other one cannot."""
+    in_attention = {f"{name}.{child}" if name else child
+                    for name, sub in module.named_modules() if isinstance(sub, torch.nn.MultiheadAttention)
+                    for child, _ in sub.named_children()}
+    eligible, float_layers = [], {}
+    for name, sub in module.named_modules():
+        if not isinstance(sub, torch.nn.Linear):
+            continue
+        if name in in_attention:
+            float_layers[name] = _IN_ATTENTION
+        elif sub.in_features % ALIGNMENT or sub.out_features % ALIGNMENT:
+            float_layers[name] = (f"{sub.in_features} inputs, {sub.out_features} outputs: fp8 products need "
+                                  f"multiples of {ALIGNMENT}")
+        else:
+            eligible.append(name)
+    return eligible, float_layers
+
+
+@torch.no_grad()
+def _calibrate(module: torch.nn.Module, layers: list[str], calibration: Calibration) -> dict[str, float]:
+    """The largest magnitude each layer's input reaches over the calibration batches (fp32, on the CPU)."""
+    model = copy.deepcopy(module).float().cpu().eval()
+    amax = dict.fromkeys(layers, 0.0)
+
+    def record(name):
+        def hook(_layer, args):
+            amax[name] = max(amax[name], float(args[0].detach().abs().max()))
+        return hook
+
+    handles = [model.get_submodule(name).register_forward_pre_hook(record(name)) for name in layers]
+    try:
+        for batch in calibration.batches:
+            model(*(torch.from_numpy(array) for array in batch.values()))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return amax
