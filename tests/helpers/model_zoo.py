@@ -167,6 +167,11 @@ def transformer_mlp() -> nn.Module:
     return TransformerMLP()
 
 
+def transformer_mlp_32() -> nn.Module:
+    """Widths that are multiples of 16, as fp8 products need (the head's 7 outputs are not)."""
+    return TransformerMLP(width=32, hidden=64)
+
+
 class ImageAndTokens(nn.Module):
     """Two inputs of different dtypes: an image branch (Conv -> BN) and a token embedding."""
 
