@@ -35,7 +35,9 @@ declare -A inputs=([resnet50]="--input x:1x3x224x224" [vit_b_16]="--input x:1x3x
                    [bert_base]="--input input_ids:1x128:int64 --input attention_mask:1x128:int64")
 
 if has_step convert; then
-python3 - "$work" <<'PY'
+# the models are saved once per $WORK: a second run converting other models or precisions side by side reuses them
+until mkdir "$work/models.lock" 2> /dev/null; do sleep 2; done
+[ -f "$work/models-saved" ] || python3 - "$work" <<'PY'
 import sys, torch, torchvision
 from deploykit.testing import calibrate_batch_norm
 import model_zoo
@@ -52,6 +54,7 @@ np.savez(f"{sys.argv[1]}/vit_b_16-calibration.npz", x=rng.standard_normal((64, 3
 np.savez(f"{sys.argv[1]}/bert_base-calibration.npz", input_ids=rng.integers(0, 8, (64, 128)),
          attention_mask=rng.integers(0, 8, (64, 128)))
 PY
+touch "$work/models-saved"; rmdir "$work/models.lock"
 stamp "models saved"
 
 backend=(--backend aoti --aoti-shapes static); [ "${BACKEND:-aoti}" = onnxruntime ] && backend=(--backend onnxruntime)
