@@ -1,7 +1,7 @@
 """BERT-base int8 against fp32 on this CPU: ``deploykit convert --precision int8`` vs the fp32 bundle, in ONNX Runtime.
 
     python benchmarks/bench_int8_bert_cpu.py [--work DIR] [--batches 1,8] [--seq 128] [--rounds 5]
-                                             [--auto-fix] [--out results/bert-int8.json]
+                                             [--auto-fix] [--openvino] [--out results/bert-int8.json]
 
 model_zoo's ``bert_base`` (transformers' BertModel at BERT-base's size, random weights, a 1,000-token
 vocabulary) taking ``input_ids`` and ``attention_mask`` and returning the last hidden states, converted
@@ -27,7 +27,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "helpers")]
 
-from bench_int8_cpu import add_shared_arguments, convert, print_summary, time_graphs, write_results  # noqa: E402
+from bench_int8_cpu import (add_shared_arguments, convert, open_graph, openvino_graphs, print_summary,  # noqa: E402
+                            time_graphs, write_results)
 
 VOCABULARY = 1000  # model_zoo.BertEncoder's
 
@@ -51,12 +52,10 @@ def reference_states(weights: Path, feeds: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def accuracy(paths: dict[str, Path], feeds: dict[str, np.ndarray], reference: np.ndarray) -> dict[str, dict]:
-    import onnxruntime as ort
-
     result = {}
     for name, path in paths.items():
-        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        states = np.concatenate([session.run(None, {k: v[i:i + 8] for k, v in feeds.items()})[0]
+        run = open_graph(path)
+        states = np.concatenate([run({k: v[i:i + 8] for k, v in feeds.items()})[0]
                                  for i in range(0, len(reference), 8)]).astype(np.float64)
         want = reference.astype(np.float64)
         per_sequence = [float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b)) for a, b in zip(states, want)]
@@ -94,6 +93,11 @@ def main() -> None:
     quantize_dynamic(args.work / "fp32" / "model.onnx", dynamic, weight_type=QuantType.QInt8)
     paths = {"fp32": args.work / "fp32" / "model.onnx", "int8 (deploykit)": args.work / "int8" / "model.onnx",
              "fp32 bundle, quantize_dynamic": dynamic}
+    if args.openvino:  # the int8 bundle's fp32 reference: standard ONNX ops only (no ONNX Runtime fusions)
+        calibration = sequences(args.samples, args.seq, seed=7)
+        paths |= openvino_graphs(args.work / "int8" / "model.fp32.onnx",
+                                 [{k: v[i:i + 8] for k, v in calibration.items()} for i in range(0, args.samples, 8)],
+                                 args.work)
     timings = {batch: time_graphs(paths, sequences(batch, args.seq, seed=batch), args.rounds, args.calls)
                for batch in map(int, args.batches.split(","))}
     check = sequences(args.check, args.seq, seed=99)

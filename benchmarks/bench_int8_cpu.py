@@ -1,6 +1,6 @@
 """int8 against fp32 on this CPU: ``deploykit convert --precision int8`` vs the fp32 bundle, in ONNX Runtime.
 
-    python benchmarks/bench_int8_cpu.py [--model resnet18] [--work DIR] [--batches 1,8] [--rounds 7]
+    python benchmarks/bench_int8_cpu.py [--model resnet18] [--work DIR] [--batches 1,8] [--rounds 7] [--openvino]
                                         [--auto-fix] [--out results/int8.json]
 
 A torchvision classifier (``--model``, default resnet18) with random weights and BatchNorm statistics
@@ -106,32 +106,58 @@ def plain_export(name: str, work: Path, image: int) -> Path:
 def time_graphs(paths: dict[str, Path], feeds: dict[str, np.ndarray], rounds: int, calls: int) -> dict[str, float]:
     """Median ms per call of each graph on ``feeds``: in each round every graph gets a fresh session,
     three warm-up calls and ``calls`` timed ones; the graph's time is the median of its rounds' medians.
+    An ``.onnx`` graph runs in ONNX Runtime, an ``.xml`` one (OpenVINO IR) in OpenVINO.
 
     One session exists at a time: ONNX Runtime's idle worker threads spin, and on this 2-core machine
     a second session's spinning takes the cores from the one being timed (measured: the int8 resnet18
     at batch 1 ran 4.6 ms alone, 7.4 ms with the fp32 session open beside it).
     """
-    import onnxruntime as ort
-
     medians = {name: [] for name in paths}
     for _ in range(rounds):
         for name, path in paths.items():
-            session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+            run = open_graph(path)
             for _ in range(3):
-                session.run(None, feeds)
+                run(feeds)
             times = []
             for _ in range(calls):
                 started = time.perf_counter()
-                session.run(None, feeds)
+                run(feeds)
                 times.append(time.perf_counter() - started)
             medians[name].append(statistics.median(times) * 1e3)
-            del session
+            del run
     return {name: statistics.median(values) for name, values in medians.items()}
+
+
+def open_graph(path: Path):
+    """A function from feeds to the list of outputs: ONNX Runtime's CPU provider for ``.onnx``, OpenVINO's
+    CPU plugin (default latency settings) for its ``.xml`` IR."""
+    if path.suffix == ".xml":
+        import openvino as ov
+
+        request = ov.Core().compile_model(str(path), "CPU").create_infer_request()
+        return lambda feeds: list(request.infer(feeds).values())
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return lambda feeds: session.run(None, feeds)
+
+
+def openvino_graphs(fp32: Path, samples: list[dict[str, np.ndarray]], work: Path) -> dict[str, Path]:
+    """The CPU peer a user would pick (issue 26): OpenVINO on the same fp32 ONNX (converted to its IR, kept fp32),
+    and NNCF's post-training int8 quantization of it calibrated on the same ``samples`` (one dict per batch)."""
+    import nncf
+    import openvino as ov
+
+    model = ov.convert_model(str(fp32))
+    ov.save_model(model, work / "openvino-fp32.xml", compress_to_fp16=False)
+    quantized = nncf.quantize(model, nncf.Dataset(samples), subset_size=len(samples))  # every batch
+    ov.save_model(quantized, work / "openvino-int8-nncf.xml", compress_to_fp16=False)
+    return {"OpenVINO fp32 (same ONNX)": work / "openvino-fp32.xml",
+            "OpenVINO int8 (NNCF)": work / "openvino-int8-nncf.xml"}
 
 
 def accuracy(name: str, weights: Path, paths: dict[str, Path], image: int, count: int) -> dict[str, dict]:
     """Each graph's logits against PyTorch fp32 on ``count`` random images (seed 99: not calibration's)."""
-    import onnxruntime as ort
     import torch
 
     model = torchvision_model(name)
@@ -141,8 +167,8 @@ def accuracy(name: str, weights: Path, paths: dict[str, Path], image: int, count
         reference = model.eval()(torch.from_numpy(images)).numpy().astype(np.float64)
     result = {}
     for name, path in paths.items():
-        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        logits = np.concatenate([session.run(None, {"x": images[i:i + 8]})[0] for i in range(0, count, 8)])
+        run = open_graph(path)
+        logits = np.concatenate([run({"x": images[i:i + 8]})[0] for i in range(0, count, 8)])
         cosine = float((logits * reference).sum() / np.linalg.norm(logits) / np.linalg.norm(reference))
         result[name] = {"top1_agreement": float((logits.argmax(1) == reference.argmax(1)).mean()), "cosine": cosine}
     return result
@@ -172,6 +198,8 @@ def main() -> None:
              "plain export fp32": plain,
              "plain export, quantize_static U8S8": quantize(plain, args.work / "plain-int8.onnx", samples, "QUInt8",
                                                             None)}
+    if args.openvino:  # the int8 bundle's fp32 reference: standard ONNX ops only (no deploykit op)
+        paths |= openvino_graphs(args.work / "int8" / "model.fp32.onnx", [{"x": samples[i:i + 8]} for i in range(0, len(samples), 8)], args.work)
     timings = {batch: time_graphs(paths, {"x": np.random.default_rng(batch).standard_normal(
                    (batch, 3, args.image, args.image), dtype=np.float32)}, args.rounds, args.calls)
                for batch in map(int, args.batches.split(","))}
@@ -193,6 +221,8 @@ def add_shared_arguments(parser, samples: int, check: int, rounds: int, calls: i
     parser.add_argument("--calls", type=int, default=calls)
     parser.add_argument("--method", default="minmax", choices=["minmax", "entropy", "percentile"])
     parser.add_argument("--auto-fix", action="store_true", help="convert the int8 bundle with --auto-fix")
+    parser.add_argument("--openvino", action="store_true",
+                        help="add OpenVINO on the fp32 ONNX and NNCF's int8 of it (pip install openvino nncf)")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
 
 

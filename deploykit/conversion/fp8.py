@@ -17,8 +17,10 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from deploykit.backends.torch.runner import flatten_outputs
 from deploykit.bundle.format import REFERENCE_MODEL
 from deploykit.conversion.quantize import Calibration
+from deploykit.conversion.quantize_fix import QuantizationFix, Ranked
 from deploykit.errors import BadInputError, EnvironmentProblem
 
 FP8 = torch.float8_e4m3fn
@@ -34,6 +36,9 @@ RANDOM_DATA_NOTE = ("the fp8 activation scales were calibrated on random inputs 
                     "data.npz (several hundred real samples, named like the model's inputs)")
 _IN_ATTENTION = ("inside an nn.MultiheadAttention deploykit cannot restructure (separate key/value sizes, bias_kv "
                  "or zero_attn), which reads the layer's weight directly")
+AUTO_FIX_REASON = "kept in fp16 by --auto-fix: alone in fp8 it made the outputs diverge the most"
+AUTO_FIX_METHOD = ("rank the fp8 Linear layers by the relative error of the outputs with each alone in fp8 (the rest "
+                   "fp32, on the CPU); keep the worst 1, 2, 4 ... in fp16 and compile again until the outputs pass")
 NOT_CALLED = ("not called on the calibration samples, or in an attention called with masks or need_weights=True "
                "(computed as nn.MultiheadAttention computes it)")
 
@@ -48,9 +53,6 @@ def check_options(options) -> None:
     if options.io_precision is not None:
         raise BadInputError("--io-precision is not supported with --precision fp8 (inputs and outputs keep their "
                             "declared types); drop --io-precision")
-    if options.auto_fix:
-        raise BadInputError("--auto-fix is not supported with --precision fp8 yet; drop --auto-fix (the report "
-                            "names the layers in fp8), or convert with --precision fp16 --auto-fix")
     if options.calibration_method != "minmax":
         raise BadInputError(f"--calibration-method {options.calibration_method} applies to int8; fp8 scales are "
                             "the calibrated largest magnitudes (minmax): drop --calibration-method")
@@ -156,6 +158,7 @@ class Fp8Stage:
     calibration: Calibration
     input_amax: dict[str, float]  # the quantized layers
     float_layers: dict[str, str]  # layer -> why it stays fp16
+    fix: QuantizationFix | None = None  # --auto-fix: the ranking and each round
 
     @classmethod
     def start(cls, module: torch.nn.Module, calibration: Calibration) -> Fp8Stage:
@@ -179,6 +182,31 @@ class Fp8Stage:
             setattr(owner, child, Fp8Linear(getattr(owner, child), amax).to(getattr(owner, child).weight.device))
         return module
 
+    def keeping_float(self, layers: list[str]) -> Fp8Stage:
+        """This stage with ``layers`` kept in fp16 by auto-fix."""
+        kept = set(layers)
+        return dataclasses.replace(
+            self, input_amax={name: amax for name, amax in self.input_amax.items() if name not in kept},
+            float_layers={**self.float_layers, **dict.fromkeys(layers, AUTO_FIX_REASON)})
+
+    @torch.no_grad()
+    def rank_layers(self, module: torch.nn.Module, feeds: dict) -> list[Ranked]:
+        """The fp8 layers, worst first by the relative error of the outputs (on ``feeds``, against fp32, on
+        the CPU) when that layer alone computes in fp8."""
+        model = with_linear_attention(copy.deepcopy(module).float().cpu().eval())
+        args = [torch.from_numpy(array) for array in feeds.values()]
+        exact = _flat(model(*args))
+        ranked = []
+        for name, amax in self.input_amax.items():
+            parent, _, child = name.rpartition(".")
+            owner = model.get_submodule(parent)
+            linear = getattr(owner, child)
+            setattr(owner, child, Fp8Linear(linear, amax))
+            error = float(torch.linalg.vector_norm(_flat(model(*args)) - exact) / torch.linalg.vector_norm(exact))
+            setattr(owner, child, linear)
+            ranked.append(Ranked(name, "Linear", error))
+        return sorted(ranked, key=lambda r: r.added_error, reverse=True)
+
     def inconclusive_reasons(self, output_names: list[str]) -> dict[str, str]:
         """Every output, where the scales were fitted to random data: passing proves nothing for real inputs."""
         return dict.fromkeys(output_names, RANDOM_DATA_NOTE) if self.calibration.random else {}
@@ -198,7 +226,7 @@ class Fp8Stage:
             "quantized_nodes": list(self.input_amax),
             "float_nodes": [{"node": name, "op": "Linear", "precision": "fp16", "reason": why}
                             for name, why in self.float_layers.items()],
-            "auto_fix": None,
+            "auto_fix": self.fix.to_json() if self.fix else None,
         }
 
 
@@ -219,6 +247,10 @@ def _eligible_linears(module: torch.nn.Module) -> tuple[list[str], dict[str, str
         else:
             eligible.append(name)
     return eligible, float_layers
+
+
+def _flat(outputs) -> torch.Tensor:
+    return torch.cat([t.double().flatten() for t in flatten_outputs(outputs) if t.is_floating_point()])
 
 
 @torch.no_grad()

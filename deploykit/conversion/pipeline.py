@@ -174,7 +174,7 @@ def _compile_aoti(state: ConversionState) -> None:
     io = [tensor_spec(v, options.batch.to_json() if options.batch else None) for v in graph.input], \
         [tensor_spec(v) for v in graph.output]
     sizes = [batch_size(feeds) for feeds in state.feed_sets]
-    if options.precision == "fp8":
+    if options.precision == "fp8" and state.fp8 is None:  # auto-fix compiles again with its own stage
         state.fp8 = fp8.Fp8Stage.start(state.loaded.module, state.calibration)
     state.aoti = aoti.build_aoti_stage(state.loaded, state.specs, io, options.batch, sizes, options.aoti_shapes,
                                        options.precision, state.fp8)
@@ -217,7 +217,7 @@ def _auto_fix_int8(state: ConversionState) -> None:
     index = next((i for i, run in enumerate(state.validations[0].runs) if not run.passed), 0)
     feeds = state.feed_sets[index]
     ranking = quantize_fix.rank_nodes(stage.fp32, stage.model, feeds, stage.fixable_nodes(), library)
-    stage.fix = fix = quantize_fix.Int8Fix(ranking, quantized_ms=quantize_fix.latency_ms(stage.model, feeds, library))
+    stage.fix = fix = quantize_fix.QuantizationFix(ranking, quantized_ms=quantize_fix.latency_ms(stage.model, feeds, library))
     unfixed = stage.model, stage.nodes, state.validations
     for size in quantize_fix.round_sizes(len(ranking), quantize_fix.MAX_FLOAT):
         kept = quantize_fix.with_feeding_ops(stage.fp32, [r.node for r in ranking[:size]], quantize.QUANTIZED_OPS)
@@ -235,6 +235,36 @@ def _auto_fix_int8(state: ConversionState) -> None:
                    "products; the bundle keeps the fully quantized graph): calibrate on real data (--calibration) or "
                    "convert with --precision fp16"
                    if ranking else "no quantized matrix product to keep in float")
+
+
+def _auto_fix_fp8(state: ConversionState) -> None:
+    """Rank the fp8 layers on the first feeds a package failed, then keep the worst 1, 2, 4 ... in fp16 and
+    compile the packages again until validation passes; where none passes, the first packages ship."""
+    failed = next(v for v in state.validations if v.label in state.aoti.runners and not v.passed)
+    run = next(i for i, run in enumerate(failed.runs) if not run.passed)
+    feeds, stage, unfixed = state.feed_sets[run], state.fp8, (state.fp8, state.aoti, state.validations)
+    ranking = stage.rank_layers(state.loaded.module, feeds)
+    fix = quantize_fix.QuantizationFix(ranking, quantized_ms=_package_ms(state.aoti, failed.label, feeds),
+                                       method=fp8.AUTO_FIX_METHOD)
+    for size in quantize_fix.round_sizes(len(ranking), quantize_fix.MAX_FLOAT):
+        kept = [r.node for r in ranking[:size]]
+        state.fp8 = stage.keeping_float(kept)
+        _compile_aoti(state)
+        _validate_shipped(state)
+        fix.rounds.append(quantize_fix.FixRound(kept, state.passed, _package_ms(state.aoti, failed.label, feeds)))
+        if state.passed:
+            state.fp8.fix, fix.stopped = fix, f"passed with {len(kept)} Linear layer(s) in fp16"
+            return
+    state.fp8, state.aoti, state.validations = unfixed
+    state.fp8.fix = fix
+    fix.stopped = (f"still failing with the {len(fix.rounds[-1].kept_float)} worst of {len(ranking)} fp8 layers in "
+                   f"fp16 (the bound is {quantize_fix.MAX_FLOAT}; the bundle keeps the first packages): calibrate on "
+                   "real data (--calibration) or convert with --precision fp16" if ranking else "no fp8 layer to keep")
+
+
+def _package_ms(stage: aoti.AotiStage, label: str, feeds: dict) -> float:
+    """Median time of one run of the packages ``label`` names on ``feeds`` (host clock, outputs on the host)."""
+    return quantize_fix.median_ms(lambda: stage.runners[label].run(feeds))
 
 
 def _write_bundle(state: ConversionState) -> None:
@@ -305,8 +335,17 @@ def _tensorrt_needs_portable_graph(state: ConversionState) -> bool:
 
 
 def _auto_fix_can_help(state: ConversionState) -> bool:
-    """--auto-fix on a reduced-precision graph that failed; the plain export does not decide it."""
-    return state.precision is not None and state.options.auto_fix and not state.passed
+    """--auto-fix on a reduced-precision graph that failed; the plain export does not decide it, nor (fp8)
+    the packages."""
+    packages = state.aoti.runners if state.fp8 is not None else {}
+    return (state.precision is not None and state.options.auto_fix
+            and any(not v.passed for v in state.shipped_validations if v.label not in packages))
+
+
+def _fp8_auto_fix_can_help(state: ConversionState) -> bool:
+    """--auto-fix where an fp8 package failed (fp16's auto-fix is for the ONNX graph)."""
+    return (state.fp8 is not None and state.options.auto_fix
+            and any(v.label in state.aoti.runners and not v.passed for v in state.validations))
 
 
 def _int8_auto_fix_can_help(state: ConversionState) -> bool:
@@ -331,6 +370,7 @@ STEPS = (
     Step("Validating against PyTorch", _validate),
     Step("Pinning the nodes that diverge to fp32 (--auto-fix)", _auto_fix, _auto_fix_can_help),
     Step("Keeping the int8 nodes that diverge in float (--auto-fix)", _auto_fix_int8, _int8_auto_fix_can_help),
+    Step("Keeping the fp8 layers that diverge in fp16 (--auto-fix)", _auto_fix_fp8, _fp8_auto_fix_can_help),
     Step("Writing the bundle", _write_bundle),
     Step("Timing what runs here (--tune)", _tune, _tune_requested),
 )

@@ -25,7 +25,7 @@ import onnx
 
 from deploykit.bundle.format import REFERENCE_MODEL
 from deploykit.conversion.export import declare_oldest_ir_version
-from deploykit.conversion.quantize_fix import FIXABLE_OPS, Int8Fix
+from deploykit.conversion.quantize_fix import FIXABLE_OPS, QuantizationFix
 from deploykit.conversion.options import ConvertOptions
 from deploykit.errors import BadInputError
 from deploykit.passes.precision import NodePrecision, name_nodes
@@ -135,7 +135,7 @@ class QuantizationStage:
     calibration: Calibration
     nodes: list[NodePrecision]
     target: str = "onnxruntime"  # TARGETS: the backend whose int8 format the graph has
-    fix: Int8Fix | None = None  # --auto-fix: what it kept in float, round by round
+    fix: QuantizationFix | None = None  # --auto-fix: what it kept in float, round by round
 
     @classmethod
     def start(cls, optimized: onnx.ModelProto, calibration: Calibration, method: str,

@@ -50,14 +50,20 @@ class FixRound:
     latency_ms: float | None
 
 
+INT8_METHOD = ("rank the quantized matrix products by the relative error each adds; keep the worst 1, 2, 4 ... in "
+               "float until the outputs pass")
+
+
 @dataclasses.dataclass
-class Int8Fix:
-    """What auto-fix did: the ranking, each round, and the latency of the fully quantized graph."""
+class QuantizationFix:
+    """What auto-fix did (int8, and fp8's in conversion/fp8.py): the ranking, each round, and the latency
+    of the fully quantized graph or packages."""
 
     ranking: list[Ranked]
     rounds: list[FixRound] = dataclasses.field(default_factory=list)
     quantized_ms: float | None = None
     stopped: str = ""
+    method: str = INT8_METHOD
 
     @property
     def kept_float(self) -> list[str]:
@@ -67,8 +73,7 @@ class Int8Fix:
     def to_json(self) -> dict:
         added = {r.node: r for r in self.ranking}
         return {
-            "method": "rank the quantized matrix products by the relative error each adds; keep the worst 1, 2, "
-                      "4 ... in float until the outputs pass",
+            "method": self.method,
             "quantized_ms": self.quantized_ms,
             "rounds": [{"kept_float": r.kept_float, "passed": r.passed, "latency_ms": r.latency_ms,
                         "cost": _ratio(r.latency_ms, self.quantized_ms)} for r in self.rounds],
@@ -125,10 +130,14 @@ def round_sizes(candidates: int, max_float: int) -> list[int]:
 def latency_ms(model: onnx.ModelProto, feeds: dict[str, np.ndarray], op_library: Path | None = None) -> float:
     """Median wall time of one ONNX Runtime CPU run of ``model`` on ``feeds`` (``tuning.timing``'s host clock)."""
     from deploykit.backends.onnxruntime.runner import OnnxRuntimeRunner
+
+    return median_ms(functools.partial(OnnxRuntimeRunner.from_model(model, op_library).run, feeds))
+
+
+def median_ms(step) -> float:
+    """Median wall time of ``step()`` (numpy out, so a GPU run is finished) after two warm-up calls."""
     from deploykit.tuning.timing import call_timer, time_calls, warm_up
 
-    runner = OnnxRuntimeRunner.from_model(model, op_library)
-    step = functools.partial(runner.run, feeds)
     warm_up(step, 2)
     return statistics.median(time_calls(step, TIMING_RUNS, TIMING_SECONDS, call_timer("cpu"))) * 1e3
 

@@ -113,7 +113,6 @@ def test_no_linear_to_quantize_is_bad_input():
     ({"backend": "onnxruntime"}, "--backend onnxruntime is not supported with --precision fp8"),
     ({"io_precision": "fp16"}, "--io-precision is not supported with --precision fp8"),
     ({"calibration_method": "entropy"}, "--calibration-method entropy applies to int8"),
-    ({"auto_fix": True}, "--auto-fix is not supported with --precision fp8 yet"),
 ])
 def test_fp8_refuses_what_it_does_not_do(tmp_path, changes, words):
     options = ConvertOptions(tmp_path / "missing.pt2", tmp_path / "bundle", precision="fp8",
@@ -163,3 +162,27 @@ def test_fp8_without_calibration_is_inconclusive(calibrated):
 def test_fp8_cli_needs_aoti(tmp_path):
     result = convert(tmp_path, "weights.pt", "--input", TOKENS, "--precision", "fp8", "-o", "bundle")
     assert_rejected(result, "--backend onnxruntime is not supported with --precision fp8", "add --backend aoti")
+
+
+@pytest.mark.slow
+def test_auto_fix_keeps_the_layer_fp8_breaks_in_fp16(tmp_path):
+    """fp8_outlier's head reads an input whose one e4m3 scale flushes all but one feature: the package fails
+    (exit 1) without --auto-fix; with it, the head ranks first, is kept in fp16 in round 1, and the
+    packages compiled again pass, the other two layers still fp8; the console and report say so."""
+    torch.manual_seed(0)
+    torch.save(model_zoo.fp8_outlier().state_dict(), tmp_path / "weights.pt")
+    np.savez(tmp_path / "calibration.npz", x=np.random.default_rng(5).standard_normal((64, 16), dtype=np.float32))
+    args = ["weights.pt", "--factory", "model_zoo:fp8_outlier", "--input", "x:1x16", "--batch", "1:4:8",
+            "--precision", "fp8", "--backend", "aoti", "--aoti-shapes", "dynamic", "--calibration", "calibration.npz"]
+    plain = convert(tmp_path, *args, "-o", "plain")
+    assert plain.returncode == 1 and "aoti cpu dynamic package (aoti-cpu): FAIL" in plain.stdout + plain.stderr
+    fixed = convert(tmp_path, *args, "--auto-fix", "-o", "fixed")
+    assert fixed.returncode == 0, fixed.stderr
+    assert "auto-fix round 1: 1 node in float, pass" in fixed.stderr
+    precision = json.loads((tmp_path / "fixed" / "report.json").read_text())["precision"]
+    assert precision["quantized_nodes"] == ["first", "hidden"]
+    assert precision["float_nodes"] == [{"node": "head", "op": "Linear", "precision": "fp16",
+                                         "reason": fp8.AUTO_FIX_REASON}]
+    fix = precision["auto_fix"]
+    assert fix["method"] == fp8.AUTO_FIX_METHOD and fix["kept_float"][0]["node"] == "head"
+    assert fix["rounds"][0]["passed"] and fix["quantized_ms"] > 0

@@ -288,6 +288,31 @@ def outlier_feature() -> nn.Module:
     return OutlierFeature()
 
 
+class Fp8Outlier(nn.Module):
+    """An ordinary layer, then a hidden layer with one feature near 2e4 (its bias) and the others near
+    0.03, and a head that barely reads the large one (no bias): one per-tensor e4m3 scale for the head's
+    input (448 its largest value, 2^-9 its smallest step) leaves the small features zero or one step, so
+    the head alone in fp8 fails (cosine ~0.56) while the other two pass. Widths are fp8's (x16); every
+    value fits fp16."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.hidden, self.head = nn.Linear(16, 32), nn.Linear(32, 64), nn.Linear(64, 16)
+        with torch.no_grad():
+            self.hidden.weight[1:].mul_(0.1)
+            self.hidden.bias[1:].mul_(0.1)
+            self.hidden.bias[0] = 2e4
+            self.head.weight[:, 0].mul_(1e-6)
+            self.head.bias.zero_()
+
+    def forward(self, x):
+        return self.head(torch.relu(self.hidden(torch.relu(self.first(x)))))
+
+
+def fp8_outlier() -> nn.Module:
+    return Fp8Outlier()
+
+
 class ResidualStream(nn.Module):
     """A pre-LayerNorm transformer's residual stream without attention: the input scaled up,
     ``blocks`` x (LayerNorm -> MLP, added back), then summed over the tokens.
