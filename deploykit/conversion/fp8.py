@@ -119,13 +119,16 @@ class SelfAttention(torch.nn.Module):
                 and attention.bias_k is None and not attention.add_zero_attn)
 
     @staticmethod
-    def restructured(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None, *_) -> bool:
+    def restructured(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                     average_attn_weights=True, is_causal=False) -> bool:
         """Whether a call computes through the two Linear layers (else as nn.MultiheadAttention does)."""
-        return query is key is value and key_padding_mask is None and attn_mask is None and not need_weights
+        return (query is key is value and key_padding_mask is None and attn_mask is None and not need_weights
+                and not is_causal)
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
-        if not self.restructured(query, key, value, key_padding_mask, need_weights, attn_mask):
+        if not self.restructured(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
+                                 is_causal):
             inputs = [t.transpose(0, 1) for t in (query, key, value)] if self.batch_first else (query, key, value)
             out, weights = F.multi_head_attention_forward(
                 *inputs, self.width, self.heads, self.in_proj.weight, self.in_proj.bias, None, None, False, 0.0,
@@ -136,7 +139,7 @@ class SelfAttention(torch.nn.Module):
         x = query if self.batch_first else query.transpose(0, 1)
         batch, tokens, width = x.shape
         q, k, v = self.in_proj(x).view(batch, tokens, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
-        mixed = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        mixed = F.scaled_dot_product_attention(q, k, v)
         out = self.out_proj(mixed.transpose(1, 2).reshape(batch, tokens, width))
         return (out if self.batch_first else out.transpose(0, 1)), None
 
