@@ -58,6 +58,14 @@ def check_options(options) -> None:
                             "the calibrated largest magnitudes (minmax): drop --calibration-method")
 
 
+def check_source(kind: str) -> None:
+    """fp8 replaces nn.Linear modules, which a torch.export program no longer has (its graph calls aten.linear)."""
+    if kind == "exported_program":
+        raise BadInputError("--precision fp8 needs the model as an nn.Module: a torch.export program has no "
+                            "nn.Linear layers left to replace; pass its state_dict with --factory, or convert with "
+                            "--precision fp16")
+
+
 def check_device(device: str) -> None:
     """fp8 tensor cores start at compute capability 8.9; on the CPU torch's fp8 kernels compute it exactly."""
     if device != "cuda":

@@ -102,6 +102,8 @@ def _load(state: ConversionState) -> None:
     options = state.options
     state.loaded = load_model(options.model, options.factory, options.trust_pickle)
     aoti.check_source(state.loaded, options.backend, options.aoti_shapes)
+    if options.precision == "fp8":
+        fp8.check_source(state.loaded.kind)
     if state.loaded.program is not None:
         check_program_batch(state.loaded.program, options.batch)
     state.specs = resolve_input_specs(state.loaded, options.inputs, options.batch)

@@ -159,6 +159,15 @@ def test_fp8_without_calibration_is_inconclusive(calibrated):
     assert "the fp8 scales were fitted to random inputs" in result.stderr
 
 
+def test_fp8_needs_a_module_not_an_exported_program(tmp_path):
+    torch.manual_seed(0)
+    program = torch.export.export(model_zoo.transformer_mlp_32().eval(), (torch.randn(2, 8, 32),))
+    torch.export.save(program, tmp_path / "model.pt2")
+    result = convert(tmp_path, "model.pt2", "--precision", "fp8", "--backend", "aoti", "-o", "bundle")
+    assert_rejected(result, "--precision fp8 needs the model as an nn.Module", "--factory")
+    assert not (tmp_path / "bundle").exists()
+
+
 def test_fp8_cli_needs_aoti(tmp_path):
     result = convert(tmp_path, "weights.pt", "--input", TOKENS, "--precision", "fp8", "-o", "bundle")
     assert_rejected(result, "--backend onnxruntime is not supported with --precision fp8", "add --backend aoti")
