@@ -227,3 +227,17 @@ def test_tune_opens_every_candidate_per_batch_size_and_times_them_interleaved(mo
     assert one["broken"]["p50_ms"] is None and one["broken"]["reason"] == "engine for another GPU"
     assert one["static"]["p50_ms"] is None and one["static"]["reason"] == "it takes batch sizes 2"
     assert two["static"]["p50_ms"] == pytest.approx(1.0) and two["second"]["passed"]
+
+
+def test_each_contender_is_put_against_reduce_overhead_in_the_precision_pytorch_computes_it_in():
+    """fp8 bundles against PyTorch fp16, int8 against fp32 (bench.PYTORCH_PRECISION); fp16 against fp16."""
+    def entry(key, precision, ms):
+        return {"key": key, "precision": precision, "results": [{"batch": 8, "p50_ms": ms}]}
+
+    entries = [entry("reduce-overhead", "fp32", 4.0), entry("reduce-overhead-fp16", "fp16", 2.0),
+               entry("aoti-static", "fp8", 1.5), entry("ort-deploykit", "int8", 3.0), entry("tensorrt", "fp16", 1.0)]
+    bench.add_ratios(entries)
+    ratios = {e["key"]: e["results"][0]["vs_reduce_overhead"] for e in entries}
+    assert ratios == {"reduce-overhead": 1.0, "reduce-overhead-fp16": 1.0, "aoti-static": 0.75,
+                      "ort-deploykit": 0.75, "tensorrt": 0.5}
+    assert entries[2]["results"][0]["vs_fastest"] == 1.5
