@@ -156,8 +156,7 @@ def with_linear_attention(module: torch.nn.Module) -> torch.nn.Module:
     """``module`` with each self-attention it can restructure a :class:`SelfAttention` (same results)."""
     for name, sub in list(module.named_modules()):
         if SelfAttention.replaces(sub):
-            parent, _, child = name.rpartition(".")
-            setattr(module.get_submodule(parent), child, SelfAttention(sub))
+            module.set_submodule(name, SelfAttention(sub))
     return module
 
 
@@ -188,9 +187,8 @@ class Fp8Stage:
         quantized layer an :class:`Fp8Linear`."""
         module = with_linear_attention(module)
         for name, amax in self.input_amax.items():
-            parent, _, child = name.rpartition(".")
-            owner = module.get_submodule(parent)
-            setattr(owner, child, Fp8Linear(getattr(owner, child), amax).to(getattr(owner, child).weight.device))
+            linear = module.get_submodule(name)
+            module.set_submodule(name, Fp8Linear(linear, amax).to(linear.weight.device))
         return module
 
     def keeping_float(self, layers: list[str]) -> Fp8Stage:
@@ -209,12 +207,10 @@ class Fp8Stage:
         exact = _flat(model(*args))
         ranked = []
         for name, amax in self.input_amax.items():
-            parent, _, child = name.rpartition(".")
-            owner = model.get_submodule(parent)
-            linear = getattr(owner, child)
-            setattr(owner, child, Fp8Linear(linear, amax))
+            linear = model.get_submodule(name)
+            model.set_submodule(name, Fp8Linear(linear, amax))
             error = float(torch.linalg.vector_norm(_flat(model(*args)) - exact) / torch.linalg.vector_norm(exact))
-            setattr(owner, child, linear)
+            model.set_submodule(name, linear)
             ranked.append(Ranked(name, "Linear", error))
         return sorted(ranked, key=lambda r: r.added_error, reverse=True)
 
@@ -223,16 +219,13 @@ class Fp8Stage:
         return dict.fromkeys(output_names, RANDOM_DATA_NOTE) if self.calibration.random else {}
 
     def to_json(self) -> dict:
-        calibration = self.calibration.to_json()
-        if self.calibration.random:
-            calibration["note"] = RANDOM_DATA_NOTE
         return {
             "precision": "fp8",
             "io_precision": None,
             "reference_model": REFERENCE_MODEL,
             "format": FORMAT,
             "calibration_method": "minmax",
-            "calibration": calibration,
+            "calibration": self.calibration.to_json(RANDOM_DATA_NOTE),
             "nodes": {"fp8": len(self.input_amax), "float": len(self.float_layers)},
             "quantized_nodes": list(self.input_amax),
             "float_nodes": [{"node": name, "op": "Linear", "precision": "fp16", "reason": why}

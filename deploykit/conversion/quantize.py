@@ -112,9 +112,10 @@ class Calibration:
                    for start in range(0, stop, step)]
         return cls(batches, source, stop)
 
-    def to_json(self) -> dict:
+    def to_json(self, note: str = RANDOM_DATA_NOTE) -> dict:
+        """``note``: what random samples mean for the precision they calibrated (int8's by default)."""
         entry = {"source": self.source, "samples": self.samples, "batches": len(self.batches)}
-        return {**entry, "note": RANDOM_DATA_NOTE} if self.random else entry
+        return {**entry, "note": note} if self.random else entry
 
 
 def _check_sample_counts(samples: dict[str, np.ndarray], path: Path) -> None:
