@@ -20,7 +20,8 @@
 #                        installed, else the newest; tritonclient is pinned to the server's 2.51.0.
 #   test-tools.tar.xz    what `pytest tests/gpu` needs there and cannot fetch: headers/ (this machine's
 #                        $DEPLOYKIT_CACHE/headers: ONNX Runtime's, TensorRT's and nlohmann/json's, fetched
-#                        here with deploykit.native.build.fetch_headers(); the op library's build reads them)
+#                        here with deploykit.native.build.fetch_headers() and json_headers(); the op library's
+#                        and the C++ runtime's builds read them)
 #                        and site/ (pytest-xdist and execnet, unzipped wheels: tests/gpu runs on several
 #                        workers there). setup untars it into $DEPLOYKIT_CACHE/headers and /tmp/test-site.
 #   ort0 .. ortN         onnxruntime-gpu, in parts under 61 MiB, by ../shared/gpu/stage-ort-gpu.
@@ -158,7 +159,8 @@ fi
 if [ -f "$out/test-tools.tar.xz" ] && [ "${FORCE:-0}" != 1 ]; then
   echo "reusing .gpu/test-tools.tar.xz"
 else
-  "$python" -c 'from deploykit.native import build; print(build.fetch_headers(verbose=True))'
+  # the op library's headers, and nlohmann/json's (the C++ runtime's build, tests/gpu/test_cpp_runtime_*)
+  "$python" -c 'from deploykit.native import build; print(build.fetch_headers(verbose=True), build.json_headers(verbose=True))'
   mkdir -p "$tmp/tools/site" "$tmp/xdist-wheels"
   cp -r "$cache/headers" "$tmp/tools/headers"
   rm -f "$tmp"/tools/headers/*.lock
