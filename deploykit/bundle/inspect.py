@@ -39,7 +39,7 @@ def describe_bundle(path: Path) -> dict:
                  for entry in bundle.aoti],
         "passes": {p["name"]: {k: v for k, v in p["changes"].items() if v} for p in manifest.get("passes", [])},
         "validation": manifest.get("validation", {}),
-        "quantization": manifest.get("quantization"),  # int8: calibration, quantized and float nodes
+        "quantization": manifest.get("quantization"),  # int8, fp8: calibration, quantized and float nodes
         "versions": manifest.get("versions", {}),
         "tuning": manifest.get("tuning"),
         "files": {name: {"bytes": entry.get("bytes"), "status": problems.get(name, "ok")}

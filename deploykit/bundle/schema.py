@@ -171,7 +171,7 @@ class Quantization(Part):
     proves nothing for real inputs), the nodes quantized, the nodes kept float and why."""
 
     format: str
-    calibration_method: Literal["minmax", "entropy", "percentile"]
+    calibration_method: Literal["minmax", "entropy", "percentile", "distribution"]
     calibration: dict[str, str | int]
     quantized_nodes: list[str] = []
     float_nodes: list[dict[str, str | None]] = []

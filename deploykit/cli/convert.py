@@ -42,8 +42,8 @@ _LISTED_FP32_NODES = 8
 @tolerance_option
 @click.option("--precision", type=click.Choice(MODEL_PRECISIONS), default="fp32", show_default=True,
               help="Write this precision into the graph; sensitive nodes stay fp32 (int8: ONNX Runtime's static "
-                   "quantization on the CPU; fp8: the Linear layers' products in AOTInductor packages, --backend aoti; "
-                   "docs/precision.md).")
+                   "quantization on the CPU; fp8: the Linear layers' products in AOTInductor packages with --backend aoti, "
+                   "float8 Q/DQ for an fp8 engine with --backend tensorrt; docs/precision.md).")
 @click.option("--calibration", "calibration_path", type=click.Path(path_type=Path),
               help="int8, fp8: samples that fit the scales (.npz named after the model inputs, axis 0 = samples); "
                    "without it random inputs do, and the verdict is inconclusive.")
@@ -142,10 +142,9 @@ def _precision_lines(report: dict) -> list[str]:
     info = report.get("precision") or {}
     if info.get("precision", "fp32") == "fp32":
         return []
-    if info["precision"] == "int8":
-        return _quantized_lines(info)
-    if info["precision"] == "fp8":  # the products in the packages, the rest an fp16 graph
-        return [*_quantized_lines(info), *_precision_lines({"precision": info["graph"]})]
+    if info["precision"] in ("int8", "fp8"):  # fp8 for AOTInductor: the products in the packages, the rest an fp16 graph
+        graph = _precision_lines({"precision": info["graph"]}) if "graph" in info else []
+        return [*_quantized_lines(info), *graph]
     nodes, low = info["nodes"], info["precision"]
     lines = [f"Precision: {low} ({_count(nodes[low], 'node')} {low}, {nodes['fp32']} fp32, "
              f"{_count(info['casts'], 'cast')}); {info['execution']}"]

@@ -69,7 +69,7 @@ def _print_info(info: dict) -> None:
         console.print(f"  [yellow]inconclusive[/] for output {name}: {reason.split('; ')[0]}", soft_wrap=True)
     if info["quantization"]:
         quantization, calibration = info["quantization"], info["quantization"]["calibration"]
-        console.print(f"int8: {len(quantization['quantized_nodes'])} nodes quantized, "
+        console.print(f"{info['precision']}: {len(quantization['quantized_nodes'])} nodes quantized, "
                       f"{len(quantization['float_nodes'])} float ({quantization['format']}); calibrated "
                       f"({quantization['calibration_method']}) on {calibration['samples']} samples of "
                       f"{calibration['source']}", soft_wrap=True)

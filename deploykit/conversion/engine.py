@@ -23,6 +23,9 @@ from deploykit.errors import EnvironmentProblem
 from deploykit.ops import DOMAIN, custom_op_types
 from deploykit.specs import BatchRange, InputSpec
 
+#: float8 tensor cores: Ada (8.9), Hopper, Blackwell; TensorRT refuses fp8 layers for older targets
+FP8_CAPABILITY = ("8.9", "fp8 engines need compute capability 8.9 or newer (Ada, Hopper, Blackwell)")
+
 
 @dataclasses.dataclass
 class EngineStage:
@@ -68,6 +71,7 @@ def build_tensorrt_stage(
             targets=targets,
             workspace_bytes=workspace_bytes,
             timing_cache=native.cache_dir() / f"{build_flavour_key()}.timing-cache",
+            min_capability=FP8_CAPABILITY if precision == "fp8" else None,
         )
     except EngineBuildError as error:
         fixes = " or ".join(_fixes(error, model, precision))

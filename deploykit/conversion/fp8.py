@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from deploykit.backends.torch.runner import flatten_outputs
 from deploykit.bundle.format import REFERENCE_MODEL
-from deploykit.conversion.quantize import Calibration
+from deploykit.conversion.quantize import Calibration, random_data_note
 from deploykit.conversion.quantize_fix import QuantizationFix, Ranked
 from deploykit.errors import BadInputError, EnvironmentProblem
 
@@ -31,9 +31,7 @@ MIN_CUDA_CAPABILITY = (8, 9)
 ALIGNMENT = 16
 FORMAT = ("torch._scaled_mm in the AOTInductor packages: float8 e4m3 weights and activations of the nn.Linear "
           "layers, static per-tensor scales; the rest fp16; model.onnx is the fp16 graph")
-RANDOM_DATA_NOTE = ("the fp8 activation scales were calibrated on random inputs (no --calibration): they fit "
-                    "random data, so this result proves nothing for real inputs; convert with --calibration "
-                    "data.npz (several hundred real samples, named like the model's inputs)")
+RANDOM_DATA_NOTE = random_data_note("fp8")
 _IN_ATTENTION = ("inside an nn.MultiheadAttention deploykit cannot restructure (separate key/value sizes, bias_kv "
                  "or zero_attn), which reads the layer's weight directly")
 AUTO_FIX_REASON = "kept in fp16 by --auto-fix: alone in fp8 it made the outputs diverge the most"
@@ -44,18 +42,21 @@ NOT_CALLED = ("not called on the calibration samples, or in an attention called 
 
 
 def check_options(options) -> None:
-    """fp8 is compiled into AOTInductor packages, with activation ranges taken as measured (minmax)."""
+    """fp8 is compiled into AOTInductor packages with activation ranges taken as measured (minmax), or
+    written as Q/DQ into the graph TensorRT builds from (``quantize``: ONNX Runtime's fp8 calibration)."""
     if options.precision != "fp8":
         return
-    if options.backend != "aoti":
+    if options.backend not in ("aoti", "tensorrt"):
         raise BadInputError(f"--backend {options.backend} is not supported with --precision fp8 (fp8 is compiled "
-                            "into AOTInductor packages); add --backend aoti, or convert with --precision fp16")
+                            "into AOTInductor packages, or written for TensorRT); add --backend aoti or --backend "
+                            "tensorrt, or convert with --precision fp16")
     if options.io_precision is not None:
         raise BadInputError("--io-precision is not supported with --precision fp8 (inputs and outputs keep their "
                             "declared types); drop --io-precision")
     if options.calibration_method != "minmax":
         raise BadInputError(f"--calibration-method {options.calibration_method} applies to int8; fp8 scales are "
-                            "the calibrated largest magnitudes (minmax): drop --calibration-method")
+                            "the calibrated largest magnitudes for AOTInductor, ONNX Runtime's distribution "
+                            "calibration for TensorRT: drop --calibration-method")
 
 
 def check_source(kind: str) -> None:
@@ -227,7 +228,7 @@ class Fp8Stage:
             "reference_model": REFERENCE_MODEL,
             "format": FORMAT,
             "calibration_method": "minmax",
-            "calibration": self.calibration.to_json(RANDOM_DATA_NOTE),
+            "calibration": self.calibration.to_json("fp8"),
             "nodes": {"fp8": len(self.input_amax), "float": len(self.float_layers)},
             "quantized_nodes": list(self.input_amax),
             "float_nodes": [{"node": name, "op": "Linear", "precision": "fp16", "reason": why}

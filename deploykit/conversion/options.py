@@ -37,6 +37,12 @@ class ConvertOptions:
     tune: bool = False  # after writing the bundle, time what runs here and record the fastest (docs/tuning.md)
 
     @property
+    def quantizes_graph(self) -> bool:
+        """Whether the ONNX graph itself is quantized (Q/DQ): int8, and fp8 for TensorRT."""
+        return self.precision == "int8" or (self.precision == "fp8" and self.backend == "tensorrt")
+
+    @property
     def graph_precision(self) -> str:
-        """The ONNX graph's precision: fp8's products are compiled into the AOTInductor packages, its graph is fp16."""
-        return "fp16" if self.precision == "fp8" else self.precision
+        """The ONNX graph's precision: fp8 for AOTInductor has its products compiled into the packages and an
+        fp16 graph; a quantized graph (int8, fp8 for TensorRT) is the fp32 graph with Q/DQ."""
+        return "fp16" if self.precision == "fp8" and not self.quantizes_graph else self.precision

@@ -1,6 +1,6 @@
 """What the CLI calls and users import: ``convert()`` runs the pipeline stage by stage.
 
-load -> check inputs -> export -> passes -> [precision | int8] -> [op library] -> [TensorRT engine]
+load -> check inputs -> export -> passes -> [precision | int8, fp8 Q/DQ] -> [op library] -> [TensorRT engine]
 -> [AOTInductor packages, fp8's among them] -> validate -> [auto-fix] -> report -> bundle (see DESIGN.md). ``STEPS``
 lists the steps in order, each with the condition under which it runs; the state they share is
 :class:`~deploykit.conversion.state.ConversionState`.
@@ -74,7 +74,7 @@ def convert(options: ConvertOptions, stage=_no_stage) -> ConvertResult:
     bundle.prepare_destination(Path(options.output).absolute(), options.force)
     quantize.check_options(options)
     fp8.check_options(options)
-    if options.precision != "int8":
+    if not options.quantizes_graph:
         check_precision(options.graph_precision, options.io_precision, options.auto_fix)
     state = ConversionState(options)
     for step in STEPS:
@@ -102,7 +102,7 @@ def _load(state: ConversionState) -> None:
     options = state.options
     state.loaded = load_model(options.model, options.factory, options.trust_pickle)
     aoti.check_source(state.loaded, options.backend, options.aoti_shapes)
-    if options.precision == "fp8":
+    if options.precision == "fp8" and not options.quantizes_graph:
         fp8.check_source(state.loaded.kind)
     if state.loaded.program is not None:
         check_program_batch(state.loaded.program, options.batch)
@@ -129,7 +129,7 @@ def _optimize(state: ConversionState) -> None:
     options = state.options
     state.optimized, state.pass_stats = run_passes(state.exported.model, custom_ops=options.custom_ops,
                                                    ort_fusions=options.ort_fusions,
-                                                   quantizable=options.precision == "int8")
+                                                   quantizable=options.quantizes_graph)
 
 
 def _optimize_portable(state: ConversionState) -> None:
@@ -148,12 +148,13 @@ def _write_precision(state: ConversionState) -> None:
 
 
 def _quantize(state: ConversionState) -> None:
-    """For TensorRT: symmetric int8 of the graph without ONNX Runtime's fused ops, which ONNX Runtime
+    """For TensorRT: symmetric int8 (or fp8) of the graph without ONNX Runtime's fused ops, which ONNX Runtime
     validates and ships as well (one quantized graph, so the engine runs what was validated)."""
+    options = state.options
     target = "tensorrt" if _tensorrt_requested(state) else "onnxruntime"
     graph = state.portable if target == "tensorrt" and state.portable is not None else state.optimized
-    state.quantization = quantize.QuantizationStage.start(graph, state.calibration, state.options.calibration_method,
-                                                          target)
+    method = quantize.FP8_CALIBRATION_METHOD if options.precision == "fp8" else options.calibration_method
+    state.quantization = quantize.QuantizationStage.start(graph, state.calibration, method, target, options.precision)
 
 
 def _find_op_library(state: ConversionState) -> None:
@@ -222,7 +223,8 @@ def _auto_fix_int8(state: ConversionState) -> None:
     stage.fix = fix = quantize_fix.QuantizationFix(ranking, quantized_ms=quantize_fix.latency_ms(stage.model, feeds, library))
     unfixed = stage.model, stage.nodes, state.validations
     for size in quantize_fix.round_sizes(len(ranking), quantize_fix.MAX_FLOAT):
-        kept = quantize_fix.with_feeding_ops(stage.fp32, [r.node for r in ranking[:size]], quantize.QUANTIZED_OPS)
+        kept = quantize_fix.with_feeding_ops(stage.fp32, [r.node for r in ranking[:size]],
+                                             quantize.quantized_ops(stage.precision))
         stage.requantize(kept)
         _validate_shipped(state)
         fix.rounds.append(quantize_fix.FixRound(kept, state.passed, quantize_fix.latency_ms(stage.model, feeds, library)))
@@ -315,8 +317,8 @@ def _reduced_precision(state: ConversionState) -> bool:
     return state.options.graph_precision in LOW_TYPES
 
 
-def _int8(state: ConversionState) -> bool:
-    return state.options.precision == "int8"
+def _quantizes_graph(state: ConversionState) -> bool:
+    return state.options.quantizes_graph
 
 
 def _uses_deploykit_ops(state: ConversionState) -> bool:
@@ -351,7 +353,7 @@ def _fp8_auto_fix_can_help(state: ConversionState) -> bool:
 
 
 def _int8_auto_fix_can_help(state: ConversionState) -> bool:
-    """--auto-fix on an int8 graph that failed."""
+    """--auto-fix on a quantized graph (int8, fp8 for TensorRT) that failed."""
     return state.quantization is not None and state.options.auto_fix and not state.passed
 
 
@@ -364,14 +366,13 @@ STEPS = (
     Step("Optimizing the graph for TensorRT (without ONNX Runtime's fused ops)", _optimize_portable,
          _tensorrt_needs_portable_graph),
     Step("Writing {options.graph_precision} into the graph", _write_precision, _reduced_precision),
-    Step("Quantizing to int8 (ONNX Runtime static quantization, {options.calibration_method} calibration)",
-         _quantize, _int8),
+    Step("Quantizing to {options.precision} (ONNX Runtime static quantization)", _quantize, _quantizes_graph),
     Step("Building deploykit's op library (cached after the first run)", _find_op_library, _uses_deploykit_ops),
     Step("Building the TensorRT engine", _build_engine, _tensorrt_requested),
     Step("Compiling AOTInductor packages (C++: slow)", _compile_aoti, _aoti_requested),
     Step("Validating against PyTorch", _validate),
     Step("Pinning the nodes that diverge to fp32 (--auto-fix)", _auto_fix, _auto_fix_can_help),
-    Step("Keeping the int8 nodes that diverge in float (--auto-fix)", _auto_fix_int8, _int8_auto_fix_can_help),
+    Step("Keeping the quantized nodes that diverge in float (--auto-fix)", _auto_fix_int8, _int8_auto_fix_can_help),
     Step("Keeping the fp8 layers that diverge in fp16 (--auto-fix)", _auto_fix_fp8, _fp8_auto_fix_can_help),
     Step("Writing the bundle", _write_bundle),
     Step("Timing what runs here (--tune)", _tune, _tune_requested),
@@ -379,7 +380,7 @@ STEPS = (
 
 
 def _shipped_candidates(state: ConversionState) -> dict:
-    graph = "deploykit graph int8" if state.quantization is not None else "deploykit graph"
+    graph = f"deploykit graph {state.quantization.precision}" if state.quantization is not None else "deploykit graph"
     candidates = _candidates(state.exported.model, state.shipped_graph, state.library, state.engine,
                              state.precision, state.aoti, graph)
     if state.engine is not None and state.engine.runner is None and state.engine_graph is not state.shipped_graph:

@@ -102,8 +102,9 @@ def _failure_origin(state: ConversionState) -> str:
     if not state.plain_validation.passed:
         return "the plain export fails as well, so the exporter (not deploykit's passes) lost accuracy"
     if state.quantization is not None:
-        return ("the fp32 export passes, so int8 lost the accuracy: calibrate on real data (--calibration), try "
-                "--calibration-method entropy or percentile, or keep --precision fp32 or fp16")
+        methods = " try --calibration-method entropy or percentile," if state.quantization.precision == "int8" else ""
+        return (f"the fp32 export passes, so {state.quantization.precision} lost the accuracy: calibrate on real data "
+                f"(--calibration),{methods} convert with --auto-fix, or keep --precision fp32 or fp16")
     if state.fp8 is not None:
         return ("the fp32 export passes, so fp8 or fp16 lost the accuracy: calibrate on real data (--calibration), "
                 "convert with --auto-fix, or keep --precision fp16")

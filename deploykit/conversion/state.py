@@ -37,7 +37,7 @@ class ConversionState:
     reference: Remembered | None = None  # the TorchRunner, run once per feed set
     example: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # the export's inputs
     feed_sets: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)  # validation's, one per batch size
-    calibration: Calibration | None = None  # int8: the samples the scales are fitted to (read before the export)
+    calibration: Calibration | None = None  # int8, fp8: the samples the scales are fitted to (read before the export)
     # "Exporting ONNX": exported.model is the plain export
     exported: ExportResult | None = None
     # "Optimizing the graph": ONNX Runtime's graph, with its fused contrib ops unless --no-ort-fusions
@@ -51,7 +51,7 @@ class ConversionState:
     precision: PrecisionStage | None = None
     typed: onnx.ModelProto | None = None
     engine_precision: PrecisionStage | None = None
-    # "Quantizing to int8" (--precision int8): the QDQ graph and which nodes it quantized
+    # "Quantizing to int8|fp8" (--precision int8, or fp8 for TensorRT): the QDQ graph and which nodes it quantized
     quantization: QuantizationStage | None = None
     # "Building deploykit's op library"
     library: OpLibrary = OpLibrary(None, "the graph uses no deploykit op")
@@ -94,7 +94,7 @@ class ConversionState:
 
     @property
     def engine_graph(self) -> onnx.ModelProto | None:
-        """What TensorRT builds from: typed for TensorRT, else quantized for it (int8: the shipped graph),
+        """What TensorRT builds from: typed for TensorRT, else quantized for it (int8, fp8: the shipped graph),
         else the graph without ONNX Runtime's ops."""
         if self.engine_precision is not None:
             return self.engine_precision.model

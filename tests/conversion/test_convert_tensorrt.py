@@ -144,3 +144,60 @@ def test_int8_for_tensorrt_is_symmetric_qdq_that_tensorrt_builds(tmp_path):
     build = build_engine(bundle / "model.onnx", batch=(1, 2, 4), input_shapes={"x": (1, 3, 16, 16)}, targets=["8.9"])
     types = {layer["type"] for layer in build.layers}
     assert {"QUANTIZE", "DEQUANTIZE", "CONVOLUTION"} <= types, types
+
+
+def test_fp8_for_tensorrt_is_float8_qdq_that_tensorrt_builds(tmp_path):
+    """``--precision fp8 --backend tensorrt``: float8 e4m3 Q/DQ around the matrix products (per tensor, zero
+    points 0), validated in ONNX Runtime, shipped as model.onnx and built by TensorRT into an fp8 engine for
+    compute capability 8.9 and newer; older targets are refused in one line, and nothing is written."""
+    import numpy as np
+    import onnx
+    import torch
+    from onnx import numpy_helper
+
+    from deploykit.backends.tensorrt.builder import build_engine
+    import model_zoo
+
+    torch.manual_seed(0)
+    torch.save(model_zoo.transformer_mlp_32().state_dict(), tmp_path / "weights.pt")
+    np.savez(tmp_path / "calibration.npz", tokens=np.random.default_rng(5).standard_normal((64, 8, 32), dtype=np.float32))
+    common = ("weights.pt", "--factory", "model_zoo:transformer_mlp_32", "--input", "tokens:2x8x32", "--batch", "1:2:4",
+              "--precision", "fp8", "--calibration", "calibration.npz", "--backend", "tensorrt")
+    refused = convert(tmp_path, *common, "--trt-targets", "8.6", "-o", "old")
+    assert refused.returncode == 2 and "fp8 engines need compute capability 8.9 or newer" in refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "old").exists()
+
+    result = convert(tmp_path, *common, "-o", "bundle")
+    assert result.returncode == 0, result.stderr
+    bundle = tmp_path / "bundle"
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    (engine,) = manifest["engines"]
+    assert manifest["precision"] == "fp8" and engine["file"].startswith("model.fp8.sm89")
+    assert engine["targets"] and all(float(t) >= 8.9 for t in engine["targets"])  # the default: fp8's targets only
+    precision = json.loads((bundle / "report.json").read_text())["precision"]
+    assert precision["target"] == "tensorrt" and precision["nodes"] == {"fp8": 5, "float": 11}
+    assert precision["calibration_method"] == "distribution"
+    model = onnx.load(bundle / "model.onnx")
+    constants = {tensor.name: numpy_helper.to_array(tensor) for tensor in model.graph.initializer}
+    products = [node for node in model.graph.node if node.op_type == "MatMul"]
+    producers = {output: node for node in model.graph.node for output in node.output}
+    assert len(products) == 5 and all(producers[name].op_type == "DequantizeLinear"
+                                      for node in products for name in node.input)
+    for node in model.graph.node:
+        if node.op_type == "QuantizeLinear":
+            zero_point = constants[node.input[2]]
+            assert zero_point.dtype.name == "float8_e4m3fn" and not zero_point.astype(float).any()
+            assert constants[node.input[1]].shape == ()  # per tensor
+    # ONNX Runtime runs the shipped graph as ONNX's reference implementation computes it (its Relu-into-
+    # QuantizeLinear rewrite, which would drop the Relus before float8 Q/DQ, is left out)
+    from onnx.reference import ReferenceEvaluator
+
+    from deploykit.backends.onnxruntime.runner import OnnxRuntimeRunner
+
+    tokens = np.random.default_rng(9).standard_normal((3, 8, 32), dtype=np.float32)
+    (expected,) = ReferenceEvaluator(model).run(None, {"tokens": tokens})
+    outputs = OnnxRuntimeRunner.from_model(model).run({"tokens": tokens})
+    np.testing.assert_allclose(next(iter(outputs.values())), expected, rtol=1e-5, atol=1e-5)
+    build = build_engine(bundle / "model.onnx", batch=(1, 2, 4), input_shapes={"tokens": (2, 8, 32)}, targets=["8.9"])
+    types = {layer["type"] for layer in build.layers}
+    assert {"QUANTIZE", "DEQUANTIZE", "MATRIX_MULTIPLY"} <= types, types

@@ -44,24 +44,42 @@ class EngineBuild:
         return tuple(layer for layer in self.layers if "plugin" in layer)
 
 
-def _choose_targets(flavour: Flavour, targets: Sequence[str] | None) -> tuple[str, ...]:
+def _choose_targets(flavour: Flavour, targets: Sequence[str] | None,
+                    minimum: tuple[str, str] | None = None) -> tuple[str, ...]:
     """The compute capabilities to build for: the given ones, checked; else the local GPU's where
-    RTX knows it, else every one RTX knows (the build then drops those the graph cannot use)."""
+    RTX knows it, else every one RTX knows (the build then drops those the graph cannot use).
+    ``minimum``: (the lowest compute capability the graph runs on, why), e.g. float8 types' 8.9."""
     gpus = local_gpus()
     if not flavour.is_rtx:
         local = gpus[0][1]  # build_engine checked there is a GPU
         if targets and set(targets) != {local}:
             raise BadInputError(f"{flavour.label} builds for this GPU only (compute capability {local}); "
                                 f"targets {list(targets)} need TensorRT-RTX")
+        _check_minimum([local], minimum, "this GPU")
         return (local,)
     supported = rtx_targets(flavour)
     if not targets:
-        targets = [gpus[0][1]] if not isinstance(gpus, str) and gpus[0][1] in supported else supported
+        local = gpus[0][1] if not isinstance(gpus, str) and gpus[0][1] in supported else None
+        targets = [local] if local else [t for t in supported if not minimum or _capability(t) >= _capability(minimum[0])]
     unknown = [t for t in targets if t not in supported]
     if unknown:
         raise BadInputError(f"{flavour.label} cannot build for compute capability {', '.join(unknown)}; "
                             f"it supports {', '.join(supported)}")
+    _check_minimum(targets, minimum, "the targets asked for")
     return tuple(targets)
+
+
+def _capability(target: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in target.split("."))
+
+
+def _check_minimum(targets: Sequence[str], minimum: tuple[str, str] | None, where: str) -> None:
+    if minimum is None:
+        return
+    lowest, why = minimum
+    below = [t for t in targets if _capability(t) < _capability(lowest)]
+    if below:
+        raise BadInputError(f"{why}, not {', '.join(below)} ({where}): build for {lowest} or newer")
 
 
 def _set_targets(flavour: Flavour, config, targets: Sequence[str]) -> None:
@@ -151,6 +169,7 @@ def build_engine(
     workspace_bytes: int | None = None,
     timing_cache: str | os.PathLike | None = None,
     flavour: str | None = None,
+    min_capability: tuple[str, str] | None = None,
 ) -> EngineBuild:
     """Build a serialized engine from an ONNX file (path, so external data works) or bytes.
 
@@ -159,7 +178,8 @@ def build_engine(
     without it the parser inlines the functions. ``batch`` = (min, opt, max) of axis 0 of
     every input whose axis 0 is dynamic; ``input_shapes`` fixes other dynamic dimensions.
     ``targets`` = compute capabilities ("8.6", "12.0") for TensorRT-RTX; plain TensorRT builds
-    for the local GPU.
+    for the local GPU. ``min_capability`` = (capability, why): targets below it are refused, left
+    out of the default ones.
     """
     flv = load_tensorrt(flavour)
     trt, log = flv.module, logger(flv)
@@ -197,7 +217,7 @@ def build_engine(
         for name, low, opt, high in shapes:
             profile.set_shape(name, low, opt, high)
         config.add_optimization_profile(profile)
-    built_targets = _choose_targets(flv, targets)
+    built_targets = _choose_targets(flv, targets, min_capability)
     if library:
         config.plugins_to_serialize = [library]
         if not flv.is_rtx:
