@@ -15,7 +15,7 @@ from onnx import helper, numpy_helper
 from deploykit.backends.tensorrt import builder, compat, failures, shim
 from deploykit.bundle import schema
 from deploykit.conversion import engine
-from deploykit.errors import EXIT_ENVIRONMENT
+from deploykit.errors import EXIT_ENVIRONMENT, BadInputError
 from deploykit.tools import doctor
 
 try:
@@ -80,6 +80,18 @@ def test_named_targets_are_built_as_named_or_refused(targets):
 def test_named_targets_that_build_are_honoured():
     build = builder.build_engine(linear_head(np.float32), flavour="tensorrt-rtx", targets=["8.6", "12.0"])
     assert build.targets == ("8.6", "12.0") and build.skipped == ()
+
+
+def test_a_minimum_capability_narrows_default_targets_and_refuses_older_named_ones(monkeypatch):
+    """fp8's minimum (8.9): without targets, RTX's from 8.9 up, also on a GPU too old for it (8.6 here);
+    a named older target is refused before any build, in one line."""
+    monkeypatch.setattr(builder, "local_gpus", lambda: (("NVIDIA RTX A6000", "8.6"),))
+    minimum = engine.FP8_CAPABILITY
+    chosen = builder._choose_targets(RTX, None, minimum)
+    assert chosen == tuple(t for t in shim.rtx_targets(RTX) if float(t) >= 8.9) and chosen
+    with pytest.raises(BadInputError, match=r"8\.9 or newer .*not 8\.0, 8\.6 \(the targets asked for\)"):
+        builder._choose_targets(RTX, ["8.0", "8.6", "8.9"], minimum)
+    assert builder._choose_targets(RTX, ["8.9"], minimum) == ("8.9",)
 
 
 SKIPPED = {"target": "7.5", "architecture": "Turing", "layer": "node_linear", "reason": "FP32 GEMM is not supported"}

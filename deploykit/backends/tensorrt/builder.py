@@ -48,7 +48,8 @@ def _choose_targets(flavour: Flavour, targets: Sequence[str] | None,
                     minimum: tuple[str, str] | None = None) -> tuple[str, ...]:
     """The compute capabilities to build for: the given ones, checked; else the local GPU's where
     RTX knows it, else every one RTX knows (the build then drops those the graph cannot use).
-    ``minimum``: (the lowest compute capability the graph runs on, why), e.g. float8 types' 8.9."""
+    ``minimum``: (the lowest compute capability the graph runs on, why), e.g. float8 types' 8.9:
+    older targets are refused when named and left out of the default ones."""
     gpus = local_gpus()
     if not flavour.is_rtx:
         local = gpus[0][1]  # build_engine checked there is a GPU
@@ -59,8 +60,9 @@ def _choose_targets(flavour: Flavour, targets: Sequence[str] | None,
         return (local,)
     supported = rtx_targets(flavour)
     if not targets:
-        local = gpus[0][1] if not isinstance(gpus, str) and gpus[0][1] in supported else None
-        targets = [local] if local else [t for t in supported if not minimum or _capability(t) >= _capability(minimum[0])]
+        usable = [t for t in supported if not minimum or _capability(t) >= _capability(minimum[0])]
+        local = gpus[0][1] if not isinstance(gpus, str) and gpus[0][1] in usable else None
+        targets = [local] if local else usable
     unknown = [t for t in targets if t not in supported]
     if unknown:
         raise BadInputError(f"{flavour.label} cannot build for compute capability {', '.join(unknown)}; "
