@@ -63,6 +63,8 @@ _STANDARD_DOMAINS = ("", "ai.onnx")
 _QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 AUTO_FIX_REASON = ("kept in float by --auto-fix: its quantization added the most error to the outputs, or it "
                    "quantizes the input of a node that did")
+
+
 def random_data_note(precision: str) -> str:
     """What scales fitted to random inputs mean, said in the report, the console and the manifest."""
     return (f"the {precision} scales were calibrated on random inputs (no --calibration): they fit random data, so "
