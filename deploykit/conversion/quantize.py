@@ -322,17 +322,17 @@ def node_precisions(fp32: onnx.ModelProto, quantized: onnx.ModelProto,
         elif node.domain in _STANDARD_DOMAINS and node.op_type in ops and reads_quantized:
             result.append(NodePrecision(node.name, _label(node), precision))
         else:
-            result.append(NodePrecision(node.name, _label(node), "float", _float_reason(node, ops)))
+            result.append(NodePrecision(node.name, _label(node), "float", _float_reason(node, precision)))
     return result
 
 
-def _float_reason(node: onnx.NodeProto, ops: tuple[str, ...]) -> str:
+def _float_reason(node: onnx.NodeProto, precision: str) -> str:
     if node.domain == "deploykit":
         return "deploykit op: our kernels are float; it reads and writes float between DequantizeLinear and QuantizeLinear"
     if node.domain not in _STANDARD_DOMAINS:
         return f"{node.domain} op: left float"
-    if node.op_type not in ops:
-        if ops == FP8_OPS:
+    if node.op_type not in quantized_ops(precision):
+        if precision == "fp8":
             return "fp8 quantizes the matrix products only (MatMul, Gemm)"
         return "not an op type deploykit quantizes (normalisations, Softmax, exp/log and the like stay float)"
     return ("it reads float tensors only (from a float node or a constant): ONNX Runtime's quantizer quantizes "
