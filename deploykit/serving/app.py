@@ -176,7 +176,7 @@ class InferRoute:
         started = time.perf_counter()
         try:
             model = self.model_for(name, version)
-            body, header_length = await self.infer(model, Headers(scope=scope), receive)
+            body, header_length = await self.infer(model, Headers(scope=scope), receive, scope.get("client"))
         except RequestError as error:
             self.metrics.answered(label, error.status, error.reason)
             return error.status, _json_headers(error.headers), _error_body(error)
@@ -191,13 +191,13 @@ class InferRoute:
         return 200, [(b"content-type", b"application/octet-stream"),
                      (protocol.HEADER_LENGTH.lower().encode(), str(header_length).encode())], body
 
-    async def infer(self, model: ServedModel, headers: Headers, receive) -> tuple[bytes, int | None]:
+    async def infer(self, model: ServedModel, headers: Headers, receive, connection) -> tuple[bytes, int | None]:
         batcher = self.batchers[model.name]
-        with batcher.arriving():
+        with batcher.arriving(connection):
             body = await read_body(receive, headers, self.limits.max_request_bytes)
             parsed = protocol.parse_infer(body, headers.get(protocol.HEADER_LENGTH.lower()), model.inputs)
             names = protocol.check_outputs(parsed, model.outputs)
-            future = batcher.submit(parsed.inputs, model.check(parsed.inputs))
+            future = batcher.submit(parsed.inputs, model.check(parsed.inputs), connection)
         try:
             outputs = await asyncio.wait_for(asyncio.wrap_future(future), self.limits.timeout_s)
         except asyncio.TimeoutError:

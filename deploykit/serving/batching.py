@@ -1,9 +1,13 @@
 """Dynamic batching: requests for one model wait in one queue; one worker thread per runner
-takes what fits in ``max_batch`` rows, waiting at most ``max_delay`` after the oldest request
-arrived for more to join, pads the rows up to a bucket size, runs once and splits the outputs back
-by request. It waits only while that can help: while another request is on its way (being read
-and parsed), or while the rows would be padded (a run costs its bucket's time, so rows that fill
-a bucket exactly, a lone request at batch 1 say, run at once, as Triton's preferred batch sizes do).
+takes what fits in ``max_batch`` rows, waiting at most ``max_delay`` (counted from when the oldest
+request arrived or the worker came free, whichever is later) for more to join, pads the rows up to a
+bucket size, runs once and splits the outputs back by request. It waits only while that can help:
+while another request is on its way (being read and parsed), while a client it has just answered
+has not sent its next request yet (on a keep-alive connection that takes well under a millisecond:
+without waiting for them, a closed loop of N clients settles into two alternating half batches that
+each run on cores the other half's parsing contends for), or while the rows would be padded (a run
+costs its bucket's time, so rows that fill a bucket exactly, a lone request at batch 1 say, run at
+once, as Triton's preferred batch sizes do).
 Before its first request a worker warms its runner up (``ServedModel.warmup_sizes``) on its own
 thread, where its first requests will run; ``wait_warm`` returns once all have.
 
@@ -40,6 +44,7 @@ class Pending:
     rows: int
     future: Future
     arrived: float
+    connection: object = None  # the client's connection (ASGI's client address), when known
 
 
 class Batcher:
@@ -52,6 +57,7 @@ class Batcher:
         self._queue: collections.deque[Pending] = collections.deque()
         self._rows = 0  # the rows in _queue, kept as it changes: workers ask on every wake-up
         self._arriving = 0  # requests being read and parsed, which may still join a batch
+        self._answered: dict[object, float] = {}  # connections answered, in order, whose next request may join
         self._ready = threading.Condition()
         self._closed = False
         self._warm = [threading.Event() for _ in model.runners]
@@ -60,7 +66,7 @@ class Batcher:
         for worker in self._workers:
             worker.start()
 
-    def submit(self, inputs: dict[str, np.ndarray], rows: int) -> Future:
+    def submit(self, inputs: dict[str, np.ndarray], rows: int, connection=None) -> Future:
         future: Future = Future()
         with self._ready:
             if self._closed:
@@ -68,18 +74,19 @@ class Batcher:
             if len(self._queue) >= self.max_queue:
                 raise RequestError(503, f"{self.model.name}'s queue is full ({self.max_queue} requests waiting): "
                                         "retry later", "queue_full", {"Retry-After": "1"})
-            self._queue.append(Pending(inputs, rows, future, time.perf_counter()))
+            self._queue.append(Pending(inputs, rows, future, time.perf_counter(), connection))
             self._rows += rows
             self._queue_changed()
             self._ready.notify()
         return future
 
     @contextlib.contextmanager
-    def arriving(self):
-        """Around reading, parsing and submitting one request: while any is, a worker with room in
-        its batch waits (up to max_delay) for it."""
+    def arriving(self, connection=None):
+        """Around reading, parsing and submitting one request (on ``connection``, when known): while
+        any is, a worker with room in its batch waits (up to max_delay) for it."""
         with self._ready:
             self._arriving += 1
+            self._answered.pop(connection, None)
         try:
             yield
         finally:
@@ -137,14 +144,15 @@ class Batcher:
 
     def _take(self) -> list[Pending] | None:
         """The next batch (requests in arrival order, cancelled ones dropped); None once closed and drained."""
+        free = time.perf_counter()
         with self._ready:
             while not self._queue:
                 if self._closed:
                     return None
                 self._ready.wait()
-            deadline = self._queue[0].arrived + self.max_delay
+            deadline = max(self._queue[0].arrived, free) + self.max_delay
             while (not self._closed and self._rows < self.model.max_batch
-                   and (self._arriving or self._padded(self._rows))
+                   and (self._arriving or self._returning() or self._padded(self._rows))
                    and (left := deadline - time.perf_counter()) > 0):
                 self._ready.wait(left)
                 if not self._queue:  # another worker took them
@@ -159,6 +167,13 @@ class Batcher:
             self._queue_changed()
             return batch
 
+    def _returning(self) -> int:
+        """Connections answered within max_delay whose next request has not begun to arrive."""
+        horizon = time.perf_counter() - self.max_delay
+        while self._answered and next(iter(self._answered.values())) < horizon:
+            del self._answered[next(iter(self._answered))]
+        return len(self._answered)
+
     def _padded(self, rows: int) -> bool:
         return _bucket(self.model.buckets, rows) != rows
 
@@ -169,15 +184,25 @@ class Batcher:
             results = run_rows(self.model, runner, [p.inputs for p in batch], rows, staging)
         except Exception as error:  # noqa: BLE001 - every waiting request gets an answer
             failure = as_request_error(error, self.model.name)
+            self._expect_back(batch)
             for pending in batch:
                 pending.future.set_exception(failure)
             self._check_gpu(runner)
             return
         finally:
             self.metrics.observe_run(self.model.name, sum(rows), started, [p.arrived for p in batch])
+        self._expect_back(batch)
         for pending, result in zip(batch, results):
             pending.future.set_result(result)
 
+    def _expect_back(self, batch: list[Pending]) -> None:
+        """Note the batch's connections as answered (newest last: ``_returning`` drops from the front)."""
+        answered = time.perf_counter()
+        with self._ready:
+            for pending in batch:
+                if pending.connection is not None:
+                    self._answered.pop(pending.connection, None)
+                    self._answered[pending.connection] = answered
 
     def _check_gpu(self, runner) -> None:
         if self.on_lost is None or runner.device != "cuda":

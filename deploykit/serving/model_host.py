@@ -226,12 +226,12 @@ class RemoteBatcher:
     def __init__(self, link: HostLink, name: str):
         self.link, self.name = link, name
 
-    def submit(self, inputs: dict[str, np.ndarray], rows: int) -> Future:
+    def submit(self, inputs: dict[str, np.ndarray], rows: int, connection=None) -> Future:
         return self.link.submit(self.name, inputs, rows)
 
-    def arriving(self):
-        """The model process does not see requests still being read: it waits only while its rows
-        would be padded (``Batcher._take``)."""
+    def arriving(self, connection=None):
+        """The model process does not see requests still being read, nor which connection a request
+        came on: it waits only while its rows would be padded (``Batcher._take``)."""
         return contextlib.nullcontext()
 
     def wait_warm(self) -> None:

@@ -123,15 +123,23 @@ def load_models(paths: list[Path], options: ServeOptions) -> list[ServedModel]:
     return [load_model(open_bundle(path), name, placements, options) for path, name in zip(paths, names)]
 
 
+def _ort_options(options: ServeOptions, place: str) -> dict:
+    """``--threads``; and on a CPU, thread pools that sleep between runs: spinning, they keep the cores
+    the event loop needs to read the next requests (docs/serving.md, measured)."""
+    ort = {"threads": options.threads} if options.threads else {}
+    if place == "cpu" and options.backend in ("auto", "onnxruntime"):
+        ort["spin"] = False
+    return ort
+
+
 def load_model(bundle: Bundle, name: str, placements: list[str], options: ServeOptions) -> ServedModel:
     """One runner per placement, all of one opened ``bundle`` (each file is hashed once), and the
     batching they allow; ``serve`` and the Triton python model (one placement each) load alike."""
     from deploykit.runtime import load
 
     path = bundle.path
-    threads = {"threads": options.threads} if options.threads else {}
     runners = [load(bundle, options.backend, place, allow_failed=options.allow_failed,
-                    trust_native=options.trust_native, **threads) for place in placements]
+                    trust_native=options.trust_native, **_ort_options(options, place)) for place in placements]
     dynamic = batch_range(runners[0].inputs, runners[0].outputs)
     if dynamic is None:
         return ServedModel(name, path, runners, placements, 1, [], options.allow_nan, [None], options.warmup_runs)

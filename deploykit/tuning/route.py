@@ -22,6 +22,9 @@ from deploykit.errors import BadInputError, EnvironmentProblem
 from deploykit.tuning import record
 from deploykit.tuning.candidates import accepted_batches, choice_problem, find_candidates, open_runner, takes
 
+#: ONNX Runtime options that tune its routes only: given, a tuned route on another backend still runs.
+ORT_HINTS = ("spin",)
+
 
 class Route:
     """A tuned batch size, the runner of its choice, and the sizes that runner takes (None: the bundle's)."""
@@ -106,8 +109,9 @@ def load_tuned(bundle: Bundle, device: str, device_id: int, notes: list[str], *,
     for choice in tuning["choices"]:
         backend, options = choice["backend"], choice["options"]
         problem = choice_problem(here, backend, options)
-        if problem is None and ort_options and backend != "onnxruntime":
-            problem = f"{', '.join(ort_options)} apply to ONNX Runtime only"
+        forcing = [name for name in ort_options if name not in ORT_HINTS]
+        if problem is None and forcing and backend != "onnxruntime":
+            problem = f"{', '.join(forcing)} apply to ONNX Runtime only"
         if problem:
             notes.append(f"batch {choice['batch']}: the tuned {backend} does not run here ({problem}): "
                          "ONNX Runtime instead")

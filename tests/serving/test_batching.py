@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -150,10 +151,12 @@ class GatedRunner:
         return {"y": feeds["x"] * 2}
 
 
-def test_threads_set_each_instances_onnx_runtime_threads():
+def test_threads_set_each_instances_onnx_runtime_threads_which_sleep_between_runs():
     model = served(instances=2, threads=1)
     assert [r.session.get_session_options().intra_op_num_threads for r in model.runners] == [1, 1]
-    assert served().runner.session.get_session_options().intra_op_num_threads == 0  # ONNX Runtime's default
+    options = served().runner.session.get_session_options()
+    assert options.intra_op_num_threads == 0  # ONNX Runtime's default
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"  # the event loop's cores
 
 
 def test_a_model_names_what_every_instance_noted_once():
@@ -233,6 +236,38 @@ def test_a_failed_warm_up_is_logged_and_the_worker_still_serves(caplog):
     answer = batcher.submit({"x": np.ones((3, 2), np.float32)}, 3).result(timeout=5)
     batcher.close()
     assert answer["y"].shape == (3, 2)
+
+
+def test_a_batch_waits_for_the_clients_it_just_answered_and_not_for_a_lone_clients_own_answer():
+    """Closed-loop clients on keep-alive connections: after answering A, a worker holding B's request
+    waits for A's next one (they run together) instead of running B alone; a lone client's next
+    request is not kept waiting by its own earlier answer, and a client that never comes back costs
+    at most the delay."""
+    runner = RecordingRunner()
+    model = ServedModel("rec", Path("rec"), [runner], ["cpu"], max_batch=4, buckets=[], allow_nan=False)
+    batcher = Batcher(model, max_delay_s=30, max_queue=8, metrics=Metrics())
+
+    def submit(connection, value: float):
+        with batcher.arriving(connection):
+            return batcher.submit({"x": np.full((1, 2), value, np.float32)}, 1, connection)
+
+    submit("A", 1).result(timeout=5)  # nothing else on its way: runs at once
+    submit("A", 2).result(timeout=5)  # A's own next request: its answer does not hold it back
+    waiting = submit("B", 3)
+    with pytest.raises(concurrent.futures.TimeoutError):  # A was answered and may come back: B waits
+        waiting.result(timeout=0.3)
+    joined = submit("A", 4)
+    np.testing.assert_array_equal(waiting.result(timeout=5)["y"], np.full((1, 2), 6, np.float32))
+    np.testing.assert_array_equal(joined.result(timeout=5)["y"], np.full((1, 2), 8, np.float32))
+    assert [rows for rows, _ in runner.runs] == [1, 1, 2]
+    batcher.close()
+
+    brief = Batcher(model, max_delay_s=0.2, max_queue=8, metrics=Metrics())
+    brief.submit({"x": np.ones((1, 2), np.float32)}, 1, "A").result(timeout=5)
+    started = time.perf_counter()
+    brief.submit({"x": np.ones((1, 2), np.float32)}, 1, "B").result(timeout=5)  # A never comes back
+    assert 0.1 < time.perf_counter() - started < 3
+    brief.close()
 
 
 def test_loaded_models_warm_up_at_their_buckets():

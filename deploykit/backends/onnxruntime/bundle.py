@@ -16,7 +16,7 @@ from deploykit.backends.onnxruntime.runner import OnnxRuntimeRunner
 
 def load_onnxruntime(bundle: Bundle, device: str = "cpu", device_id: int = 0, *, op_library: bool = True,
                      verify: bool = True, model: Path | None = None, threads: int | None = None,
-                     cuda_graph: bool | None = None, prefer_nhwc: bool = False, stream: int | None = None,
+                     spin: bool | None = None, cuda_graph: bool | None = None, prefer_nhwc: bool = False, stream: int | None = None,
                      tf32: bool = False, profile_prefix: str | None = None, notes: list[str] | None = None,
                      allow_unvalidated: bool = False, trust_native: bool = False) -> OnnxRuntimeRunner:
     """The bundle's graph on the CPU or the CUDA provider, with deploykit's op library registered.
@@ -25,7 +25,7 @@ def load_onnxruntime(bundle: Bundle, device: str = "cpu", device_id: int = 0, *,
     captures a CUDA graph per shape (None: wherever the graph can be captured, the default), which
     replays on the caller's current stream. The session itself runs on a stream of its own, ordered
     with the caller's by events (``stream`` gives it the caller's stream instead);
-    ``prefer_nhwc`` asks for channels-last convolutions.
+    ``prefer_nhwc`` asks for channels-last convolutions; ``spin=False``: thread pools sleep between runs.
     ``op_library=False`` runs the graph's ONNX function fallbacks instead of our kernels;
     ``model`` swaps in another graph with the same signature (bench's plain export);
     ``allow_unvalidated`` runs batches outside the validated range (the runner notes them); the
@@ -35,7 +35,8 @@ def load_onnxruntime(bundle: Bundle, device: str = "cpu", device_id: int = 0, *,
     notes = list(notes or [])
     library = trust.op_library(bundle, verify, trust_native, notes) if op_library and bundle.op_library else None
     tf32_on = tf32 and device == "cuda"
-    options = loader.session_options(op_library=library, threads=threads, profile_prefix=profile_prefix, tf32=tf32_on)
+    options = loader.session_options(op_library=library, threads=threads, spin=spin, profile_prefix=profile_prefix,
+                                     tf32=tf32_on)
     if tf32_on:
         notes.append("TF32 on: fp32 convolutions and matrix products round their inputs to 10 mantissa bits, "
                      "which the bundle's fp32 validation did not cover")

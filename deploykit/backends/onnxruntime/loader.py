@@ -36,12 +36,14 @@ def find_op_library() -> OpLibrary:
     return OpLibrary(path, f"validated with {path.name} (our kernels) and with the ONNX function fallback")
 
 
-def session_options(*, op_library: Path | None = None, threads: int | None = None,
+def session_options(*, op_library: Path | None = None, threads: int | None = None, spin: bool | None = None,
                     profile_prefix: str | None = None, tf32: bool = False, optimize: bool = True):
     """Options with errors-only logging (warnings would flood the progress display).
 
     ``tf32`` lets our MatMulRelu kernel use TF32 (the CUDA provider's own switch is in
-    ``providers``); ``optimize=False`` turns ONNX Runtime's graph rewrites off.
+    ``providers``); ``optimize=False`` turns ONNX Runtime's graph rewrites off. ``spin=False``
+    makes the thread pools sleep between runs instead of spinning (ONNX Runtime's default): a
+    server whose own threads parse requests on the same cores gets them back between runs.
     """
     import onnxruntime as ort
 
@@ -49,6 +51,9 @@ def session_options(*, op_library: Path | None = None, threads: int | None = Non
     options.log_severity_level = 3
     if threads:
         options.intra_op_num_threads = threads
+    if spin is False:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.add_session_config_entry("session.inter_op.allow_spinning", "0")
     if profile_prefix:
         options.enable_profiling, options.profile_file_prefix = True, profile_prefix
     if not optimize:
