@@ -1,13 +1,18 @@
 """Dynamic batching: requests for one model wait in one queue; one worker thread per runner
-takes what fits in ``max_batch`` rows, waiting at most ``max_delay`` (counted from when the oldest
-request arrived or the worker came free, whichever is later) for more to join, pads the rows up to a
-bucket size, runs once and splits the outputs back by request. It waits only while that can help:
-while another request is on its way (being read and parsed), while a client it has just answered
-has not sent its next request yet (on a keep-alive connection that takes well under a millisecond:
-without waiting for them, a closed loop of N clients settles into two alternating half batches that
-each run on cores the other half's parsing contends for), or while the rows would be padded (a run
-costs its bucket's time, so rows that fill a bucket exactly, a lone request at batch 1 say, run at
-once, as Triton's preferred batch sizes do).
+takes what fits in ``max_batch`` rows, waiting for more to join, pads the rows up to a bucket size,
+runs once and splits the outputs back by request. It waits only while that can help, and never
+longer than ``max_delay`` without progress:
+
+- while another request is on its way (being read and parsed), or while the rows would be padded (a
+  run costs its bucket's time, so rows that fill a bucket exactly, a lone request at batch 1 say, run
+  at once, as Triton's preferred batch sizes do): up to ``max_delay`` after the oldest request arrived
+  or the worker came free, whichever is later;
+- while clients it has answered have not sent their next request on the same connection: up to
+  ``max_delay`` after the latest of them came back (or was answered). Closed-loop clients (a fixed
+  number of callers, each sending as soon as it has its answer) come back within a millisecond or
+  two; without waiting for them, N such clients settle into two alternating half batches, each
+  computing on cores that the other half's parsing contends for, and a straggler that just missed a
+  batch waits a whole run. A lone client is never held back by its own answer.
 Before its first request a worker warms its runner up (``ServedModel.warmup_sizes``) on its own
 thread, where its first requests will run; ``wait_warm`` returns once all have.
 
@@ -57,7 +62,8 @@ class Batcher:
         self._queue: collections.deque[Pending] = collections.deque()
         self._rows = 0  # the rows in _queue, kept as it changes: workers ask on every wake-up
         self._arriving = 0  # requests being read and parsed, which may still join a batch
-        self._answered: dict[object, float] = {}  # connections answered, in order, whose next request may join
+        self._answered: set = set()  # connections answered whose next request has not begun to arrive
+        self._progress = 0.0  # when one of them was answered or came back last
         self._ready = threading.Condition()
         self._closed = False
         self._warm = [threading.Event() for _ in model.runners]
@@ -86,7 +92,9 @@ class Batcher:
         any is, a worker with room in its batch waits (up to max_delay) for it."""
         with self._ready:
             self._arriving += 1
-            self._answered.pop(connection, None)
+            if connection in self._answered:
+                self._answered.discard(connection)
+                self._progress = time.perf_counter()
         try:
             yield
         finally:
@@ -151,9 +159,7 @@ class Batcher:
                     return None
                 self._ready.wait()
             deadline = max(self._queue[0].arrived, free) + self.max_delay
-            while (not self._closed and self._rows < self.model.max_batch
-                   and (self._arriving or self._returning() or self._padded(self._rows))
-                   and (left := deadline - time.perf_counter()) > 0):
+            while not self._closed and self._rows < self.model.max_batch and (left := self._patience(deadline)) > 0:
                 self._ready.wait(left)
                 if not self._queue:  # another worker took them
                     return []
@@ -167,12 +173,16 @@ class Batcher:
             self._queue_changed()
             return batch
 
-    def _returning(self) -> int:
-        """Connections answered within max_delay whose next request has not begun to arrive."""
-        horizon = time.perf_counter() - self.max_delay
-        while self._answered and next(iter(self._answered.values())) < horizon:
-            del self._answered[next(iter(self._answered))]
-        return len(self._answered)
+    def _patience(self, deadline: float) -> float:
+        """Seconds a worker with room in its batch may still wait for more rows (0 or less: run now)."""
+        now = time.perf_counter()
+        left = deadline - now if self._arriving or self._padded(self._rows) else 0.0
+        if self._answered:
+            if now - self._progress >= self.max_delay:
+                self._answered.clear()  # the rest are not coming back soon: stop waiting for them
+            else:
+                left = max(left, self._progress + self.max_delay - now)
+        return left
 
     def _padded(self, rows: int) -> bool:
         return _bucket(self.model.buckets, rows) != rows
@@ -196,13 +206,12 @@ class Batcher:
             pending.future.set_result(result)
 
     def _expect_back(self, batch: list[Pending]) -> None:
-        """Note the batch's connections as answered (newest last: ``_returning`` drops from the front)."""
-        answered = time.perf_counter()
-        with self._ready:
-            for pending in batch:
-                if pending.connection is not None:
-                    self._answered.pop(pending.connection, None)
-                    self._answered[pending.connection] = answered
+        """Note the batch's connections as answered: their next requests may join the next batch."""
+        connections = {pending.connection for pending in batch} - {None}
+        if connections:
+            with self._ready:
+                self._answered |= connections
+                self._progress = time.perf_counter()
 
     def _check_gpu(self, runner) -> None:
         if self.on_lost is None or runner.device != "cuda":

@@ -124,8 +124,8 @@ def load_models(paths: list[Path], options: ServeOptions) -> list[ServedModel]:
 
 
 def _ort_options(options: ServeOptions, place: str) -> dict:
-    """``--threads``; and on a CPU, thread pools that sleep between runs: spinning, they keep the cores
-    the event loop needs to read the next requests (docs/serving.md, measured)."""
+    """``--threads``; and on a CPU, thread pools that stop spinning when a run returns: spinning on,
+    they hold the cores the event loop needs to answer the batch and read the next (docs/serving.md)."""
     ort = {"threads": options.threads} if options.threads else {}
     if place == "cpu" and options.backend in ("auto", "onnxruntime"):
         ort["spin"] = False

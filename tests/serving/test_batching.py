@@ -151,12 +151,12 @@ class GatedRunner:
         return {"y": feeds["x"] * 2}
 
 
-def test_threads_set_each_instances_onnx_runtime_threads_which_sleep_between_runs():
+def test_threads_set_each_instances_onnx_runtime_threads_which_stop_spinning_between_runs():
     model = served(instances=2, threads=1)
     assert [r.session.get_session_options().intra_op_num_threads for r in model.runners] == [1, 1]
     options = served().runner.session.get_session_options()
     assert options.intra_op_num_threads == 0  # ONNX Runtime's default
-    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"  # the event loop's cores
+    assert options.get_session_config_entry("session.force_spinning_stop") == "1"  # the event loop's cores
 
 
 def test_a_model_names_what_every_instance_noted_once():

@@ -328,6 +328,10 @@ def test_load_routes_to_aoti_choices_and_matches_onnxruntime(aoti_bundle, tmp_pa
     edit_manifest(bundle, prefer_static)
     runner = deploykit.load(bundle)
     assert isinstance(runner, TunedRunner) and runner.runner_for(2).backend == "aoti"
+    spinning_stopped = deploykit.load(bundle, spin=False)  # serve's CPU option: it moves no route to ONNX Runtime
+    assert spinning_stopped.runner_for(2).backend == "aoti"
+    assert {r.session.get_session_options().get_session_config_entry("session.force_spinning_stop")
+            for r in spinning_stopped.runners() if r.backend == "onnxruntime"} == {"1"}
     plain = deploykit.load(bundle, backend="onnxruntime")
     for batch in (1, 2, 3, 4):
         x = np.random.default_rng(batch).standard_normal((batch, 3, 8, 8), dtype=np.float32)

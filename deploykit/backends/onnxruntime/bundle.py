@@ -25,7 +25,7 @@ def load_onnxruntime(bundle: Bundle, device: str = "cpu", device_id: int = 0, *,
     captures a CUDA graph per shape (None: wherever the graph can be captured, the default), which
     replays on the caller's current stream. The session itself runs on a stream of its own, ordered
     with the caller's by events (``stream`` gives it the caller's stream instead);
-    ``prefer_nhwc`` asks for channels-last convolutions; ``spin=False``: thread pools sleep between runs.
+    ``prefer_nhwc`` asks for channels-last convolutions; ``spin=False``: thread pools stop spinning when a run returns.
     ``op_library=False`` runs the graph's ONNX function fallbacks instead of our kernels;
     ``model`` swaps in another graph with the same signature (bench's plain export);
     ``allow_unvalidated`` runs batches outside the validated range (the runner notes them); the

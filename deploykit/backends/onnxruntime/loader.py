@@ -42,8 +42,9 @@ def session_options(*, op_library: Path | None = None, threads: int | None = Non
 
     ``tf32`` lets our MatMulRelu kernel use TF32 (the CUDA provider's own switch is in
     ``providers``); ``optimize=False`` turns ONNX Runtime's graph rewrites off. ``spin=False``
-    makes the thread pools sleep between runs instead of spinning (ONNX Runtime's default): a
-    server whose own threads parse requests on the same cores gets them back between runs.
+    stops the thread pools' spinning as soon as a run returns (by default they keep spinning a
+    while, waiting for the next): a server whose own threads parse requests on the same cores gets
+    them back between runs, while within a run the pools still spin.
     """
     import onnxruntime as ort
 
@@ -52,8 +53,7 @@ def session_options(*, op_library: Path | None = None, threads: int | None = Non
     if threads:
         options.intra_op_num_threads = threads
     if spin is False:
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        options.add_session_config_entry("session.force_spinning_stop", "1")
     if profile_prefix:
         options.enable_profiling, options.profile_file_prefix = True, profile_prefix
     if not optimize:
