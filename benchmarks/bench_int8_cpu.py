@@ -41,15 +41,22 @@ def torchvision_model(name: str):
     return getattr(torchvision.models, name)()
 
 
-def build_model(name: str, work: Path, image: int) -> Path:
-    """The model, BatchNorm calibrated on random images, saved as a torch.export program (batch 1..16)."""
+def calibrated_model(name: str, image: int):
+    """The torchvision model with random weights, BatchNorm statistics measured on random images."""
     import torch
 
     from deploykit.testing import calibrate_batch_norm
 
     torch.manual_seed(0)
     images = [torch.randn(8, 3, image, image, generator=torch.Generator().manual_seed(i)) for i in range(4)]
-    model = calibrate_batch_norm(torchvision_model(name), images, seed=0)
+    return calibrate_batch_norm(torchvision_model(name), images, seed=0)
+
+
+def build_model(name: str, work: Path, image: int) -> Path:
+    """``calibrated_model`` saved as a torch.export program (batch 1..16)."""
+    import torch
+
+    model = calibrated_model(name, image)
     program = torch.export.export(model, (torch.randn(2, 3, image, image),),
                                   dynamic_shapes={"x": {0: torch.export.Dim("batch", min=1, max=16)}})
     path = work / "model.pt2"
@@ -170,9 +177,14 @@ def accuracy(name: str, weights: Path, paths: dict[str, Path], image: int, count
     for name, path in paths.items():
         run = open_graph(path)
         logits = np.concatenate([run({"x": images[i:i + 8]})[0] for i in range(0, count, 8)])
-        cosine = float((logits * reference).sum() / np.linalg.norm(logits) / np.linalg.norm(reference))
-        result[name] = {"top1_agreement": float((logits.argmax(1) == reference.argmax(1)).mean()), "cosine": cosine}
+        result[name] = agreement(logits, reference)
     return result
+
+
+def agreement(logits: np.ndarray, reference: np.ndarray) -> dict[str, float]:
+    """Top-1 agreement and cosine (over every logit of every image) of ``logits`` with ``reference``'s."""
+    cosine = float((logits * reference).sum() / np.linalg.norm(logits) / np.linalg.norm(reference))
+    return {"top1_agreement": float((logits.argmax(1) == reference.argmax(1)).mean()), "cosine": cosine}
 
 
 def main() -> None:
