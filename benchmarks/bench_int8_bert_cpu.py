@@ -10,6 +10,12 @@ random sequences (ids inside the vocabulary, every position unmasked). The peer 
 Runtime's ``quantize_dynamic`` (int8 weights, activations quantized per call) of the fp32 bundle's graph,
 what a user quantizing a transformer for ONNX Runtime on a CPU reaches for first.
 
+``--fusions``: two more graphs, ONNX Runtime's transformer fusions (``onnxruntime.transformers.optimizer``,
+model type bert: LayerNormalization, SkipLayerNormalization, Gelu/BiasGelu, and with ``attention`` the
+Attention op) applied to the int8 bundle's fp32 reference before ``quantize_static`` (QDQ, per-channel,
+uint8 activations, the same calibration sequences): whether fewer float ops between Q/DQ pairs buy the
+speed the int8 bundle lacks.
+
 Timing as bench_int8_cpu.py's ``time_graphs`` (one session at a time, graphs taking turns in rounds,
 median of the rounds' medians). Accuracy: each graph's hidden states against PyTorch fp32 on ``--check``
 sequences disjoint from the calibration ones (cosine over everything, and the lowest per-sequence cosine).
@@ -28,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "helpers")]
 
 from bench_int8_cpu import (add_shared_arguments, convert, open_graph, openvino_graphs, print_summary,  # noqa: E402
-                            time_graphs, write_results)
+                            quantize, time_graphs, write_results)
 
 VOCABULARY = 1000  # model_zoo.BertEncoder's
 
@@ -64,10 +70,30 @@ def accuracy(paths: dict[str, Path], feeds: dict[str, np.ndarray], reference: np
     return result
 
 
+def fused_int8_graphs(reference: Path, samples: dict[str, np.ndarray], work: Path) -> dict[str, Path]:
+    """``reference`` through ONNX Runtime's BERT fusions (without and with the Attention op), then int8."""
+    from onnxruntime.transformers.fusion_options import FusionOptions
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    graphs = {}
+    for attention in (False, True):
+        options = FusionOptions("bert")
+        options.enable_attention = attention
+        fused = optimize_model(str(reference), model_type="bert", num_heads=12, hidden_size=768,
+                               optimization_options=options, opt_level=0)
+        label = "fusions" + (" + attention" if attention else "")
+        print(f"{label}: {sorted(fused.get_fused_operator_statistics().items())}")
+        path = work / f"fused-{'attention' if attention else 'plain'}.onnx"
+        fused.save_model_to_file(str(path))
+        graphs[f"int8 after {label}"] = quantize(path, work / f"{path.stem}-int8.onnx", samples, "QUInt8", None)
+    return graphs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="bench_int8_bert_cpu.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/deploykit-bench-int8-bert"))
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--fusions", action="store_true", help="add ONNX Runtime's transformer fusions, then int8")
     add_shared_arguments(parser, samples=64, check=16, rounds=5, calls=5, unit="sequences")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -98,6 +124,9 @@ def main() -> None:
         paths |= openvino_graphs(args.work / "int8" / "model.fp32.onnx",
                                  [{k: v[i:i + 8] for k, v in calibration.items()} for i in range(0, args.samples, 8)],
                                  args.work)
+    if args.fusions:
+        paths |= fused_int8_graphs(args.work / "int8" / "model.fp32.onnx", sequences(args.samples, args.seq, seed=7),
+                                   args.work)
     timings = {batch: time_graphs(paths, sequences(batch, args.seq, seed=batch), args.rounds, args.calls)
                for batch in map(int, args.batches.split(","))}
     check = sequences(args.check, args.seq, seed=99)

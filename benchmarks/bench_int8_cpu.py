@@ -78,18 +78,22 @@ def convert(model: Path, out: Path, *args: str) -> dict:
     return report
 
 
-def quantize(reference: Path, out: Path, samples: np.ndarray, activations: str, ops: list[str] | None) -> Path:
+def quantize(reference: Path, out: Path, samples: np.ndarray | dict[str, np.ndarray], activations: str,
+             ops: list[str] | None) -> Path:
     """``reference`` quantized by plain ONNX Runtime (QDQ, per-channel int8 weights, minmax), with
-    ``activations`` ("QInt8" or "QUInt8") and, where given, deploykit's op types only."""
+    ``activations`` ("QInt8" or "QUInt8") and, where given, deploykit's op types only. ``samples``: the
+    input x's rows, or rows of every input by name."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    named = samples if isinstance(samples, dict) else {"x": samples}
+    count = len(next(iter(named.values())))
 
     class Reader:
         def __init__(self):
-            self.rows = iter(samples[i:i + 1] for i in range(len(samples)))
+            self.rows = iter({name: rows[i:i + 1] for name, rows in named.items()} for i in range(count))
 
         def get_next(self):
-            row = next(self.rows, None)
-            return None if row is None else {"x": row}
+            return next(self.rows, None)
 
     quantize_static(reference, out, Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
                     activation_type=getattr(QuantType, activations), weight_type=QuantType.QInt8,
