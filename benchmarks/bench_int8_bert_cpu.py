@@ -10,11 +10,9 @@ random sequences (ids inside the vocabulary, every position unmasked). The peer 
 Runtime's ``quantize_dynamic`` (int8 weights, activations quantized per call) of the fp32 bundle's graph,
 what a user quantizing a transformer for ONNX Runtime on a CPU reaches for first.
 
-``--fusions``: two more graphs, ONNX Runtime's transformer fusions (``onnxruntime.transformers.optimizer``,
-model type bert: LayerNormalization, SkipLayerNormalization, Gelu/BiasGelu, and with ``attention`` the
-Attention op) applied to the int8 bundle's fp32 reference before ``quantize_static`` (QDQ, per-channel,
-uint8 activations, the same calibration sequences): whether fewer float ops between Q/DQ pairs buy the
-speed the int8 bundle lacks.
+``--fusions``: two more graphs from the int8 bundle's fp32 reference, fused before int8 (``fused_int8_graphs``):
+whether fewer float ops between Q/DQ pairs (fused SkipLayerNormalization, BiasGelu, a fused attention core)
+buy the speed the int8 bundle lacks. Same calibration sequences.
 
 Timing as bench_int8_cpu.py's ``time_graphs`` (one session at a time, graphs taking turns in rounds,
 median of the rounds' medians). Accuracy: each graph's hidden states against PyTorch fp32 on ``--check``
@@ -71,22 +69,31 @@ def accuracy(paths: dict[str, Path], feeds: dict[str, np.ndarray], reference: np
 
 
 def fused_int8_graphs(reference: Path, samples: dict[str, np.ndarray], work: Path) -> dict[str, Path]:
-    """``reference`` through ONNX Runtime's BERT fusions (without and with the Attention op), then int8."""
-    from onnxruntime.transformers.fusion_options import FusionOptions
+    """``reference`` fused two ways before int8: ONNX Runtime's transformer optimizer then its ``quantize_static``
+    (a user's route), and onnxscript's fusions that deploykit's ort_fusions pass runs, minus the last step that
+    packs the Q/K/V projections into one Attention op (which would hide them from quantization: here they stay
+    MatMuls around a float MultiHeadAttention), then deploykit's own ``quantize``."""
+    import onnx
+    import onnx_ir as ir
     from onnxruntime.transformers.optimizer import optimize_model
+    from onnxscript.rewriter.ort_fusions import _core as fusions
 
-    graphs = {}
-    for attention in (False, True):
-        options = FusionOptions("bert")
-        options.enable_attention = attention
-        fused = optimize_model(str(reference), model_type="bert", num_heads=12, hidden_size=768,
-                               optimization_options=options, opt_level=0)
-        label = "fusions" + (" + attention" if attention else "")
-        print(f"{label}: {sorted(fused.get_fused_operator_statistics().items())}")
-        path = work / f"fused-{'attention' if attention else 'plain'}.onnx"
-        fused.save_model_to_file(str(path))
-        graphs[f"int8 after {label}"] = quantize(path, work / f"{path.stem}-int8.onnx", samples, "QUInt8", None)
-    return graphs
+    from deploykit.conversion.quantize import quantize as deploykit_quantize
+
+    optimized = optimize_model(str(reference), model_type="bert", num_heads=12, hidden_size=768, opt_level=0)
+    print(f"ONNX Runtime's optimizer: {sorted(optimized.get_fused_operator_statistics().items())}")
+    optimized.save_model_to_file(str(work / "fused-ort.onnx"))
+    graphs = {"int8 after ORT optimizer fusions": quantize(work / "fused-ort.onnx", work / "fused-ort-int8.onnx",
+                                                           samples, "QUInt8", None)}
+    model = fusions._pre_optimize(ir.load(str(reference)))
+    counts = {"sdpa": fusions.fuse_sdpa(model, apply_shape_inference=True)}
+    for name in ("erfgelu", "skip_layer_normalization", "mha1", "mha2", "mha_scale", "mha_bias", "gelu", "bias_gelu"):
+        counts[name] = getattr(fusions, f"fuse_{name}")(model)
+    fusions.optimize(model)
+    print(f"onnxscript's fusions without Attention: {counts}")
+    batches = [{name: rows[i:i + 8] for name, rows in samples.items()} for i in range(0, len(samples["input_ids"]), 8)]
+    onnx.save(deploykit_quantize(ir.serde.serialize_model(model), batches, "minmax"), work / "fused-mha-int8.onnx")
+    return graphs | {"int8 after MultiHeadAttention fusions (deploykit quantize)": work / "fused-mha-int8.onnx"}
 
 
 def main() -> None:
