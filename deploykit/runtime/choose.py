@@ -94,8 +94,9 @@ def load(bundle: str | Path | Bundle, backend: str = "auto", device: str = "auto
     the bundle was validated for raises BadInputError unless ``allow_unvalidated`` (ONNX Runtime
     then runs it and says so in ``runner.notes``; an engine runs only the batches it was built
     for). ``options`` go to the runner (ONNX Runtime:
-    threads, spin, cuda_graph, stream, tf32, profile_prefix; AOTInductor: cuda_graph, packages). Why a backend was chosen and what differs from the
-    conversion machine are in ``runner.notes``; the latter are also issued as warnings.
+    threads, spin, cuda_graph, stream, tf32, profile_prefix; AOTInductor: cuda_graph, packages). Why a
+    backend was chosen and what differs from the conversion machine are in ``runner.notes``; the latter
+    are also issued as warnings.
     """
     opened = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
     check_validation(opened, allow_failed)
