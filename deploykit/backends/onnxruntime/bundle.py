@@ -18,7 +18,8 @@ def load_onnxruntime(bundle: Bundle, device: str = "cpu", device_id: int = 0, *,
                      verify: bool = True, model: Path | None = None, threads: int | None = None,
                      spin: bool | None = None, cuda_graph: bool | None = None, prefer_nhwc: bool = False,
                      stream: int | None = None, tf32: bool = False, profile_prefix: str | None = None,
-                     notes: list[str] | None = None, allow_unvalidated: bool = False, trust_native: bool = False) -> OnnxRuntimeRunner:
+                     notes: list[str] | None = None, allow_unvalidated: bool = False,
+                     trust_native: bool = False) -> OnnxRuntimeRunner:
     """The bundle's graph on the CPU or the CUDA provider, with deploykit's op library registered.
 
     On the GPU (with torch there) the runner keeps a binding per input shape; ``cuda_graph``
