@@ -333,7 +333,7 @@ def _float_reason(node: onnx.NodeProto, precision: str) -> str:
         return f"{node.domain} op: left float"
     if node.op_type not in quantized_ops(precision):
         if precision == "fp8":
-            return "fp8 quantizes the matrix products only (MatMul, Gemm)"
+            return f"fp8 quantizes the matrix products only ({', '.join(FP8_OPS)})"
         return "not an op type deploykit quantizes (normalisations, Softmax, exp/log and the like stay float)"
     return ("it reads float tensors only (from a float node or a constant): ONNX Runtime's quantizer quantizes "
             "pooling and data movement only where their input already is int8")
