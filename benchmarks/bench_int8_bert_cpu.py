@@ -31,8 +31,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "helpers")]
 
-from bench_int8_cpu import (add_shared_arguments, convert, open_graph, openvino_graphs, print_summary,  # noqa: E402
-                            quantize, time_graphs, write_results)
+from bench_int8_cpu import (add_shared_arguments, convert, in_batches, open_graph, openvino_graphs,  # noqa: E402
+                            print_summary, quantize, time_graphs, write_results)
 
 VOCABULARY = 1000  # model_zoo.BertEncoder's
 
@@ -59,8 +59,7 @@ def accuracy(paths: dict[str, Path], feeds: dict[str, np.ndarray], reference: np
     result = {}
     for name, path in paths.items():
         run = open_graph(path)
-        states = np.concatenate([run({k: v[i:i + 8] for k, v in feeds.items()})[0]
-                                 for i in range(0, len(reference), 8)]).astype(np.float64)
+        states = np.concatenate([run(batch)[0] for batch in in_batches(feeds)]).astype(np.float64)
         want = reference.astype(np.float64)
         per_sequence = [float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b)) for a, b in zip(states, want)]
         result[name] = {"cosine": float((states * want).sum() / np.linalg.norm(states) / np.linalg.norm(want)),
@@ -91,8 +90,8 @@ def fused_int8_graphs(reference: Path, samples: dict[str, np.ndarray], work: Pat
         counts[name] = getattr(fusions, f"fuse_{name}")(model)
     fusions.optimize(model)
     print(f"onnxscript's fusions without Attention: {counts}")
-    batches = [{name: rows[i:i + 8] for name, rows in samples.items()} for i in range(0, len(samples["input_ids"]), 8)]
-    onnx.save(deploykit_quantize(ir.serde.serialize_model(model), batches, "minmax"), work / "fused-mha-int8.onnx")
+    onnx.save(deploykit_quantize(ir.serde.serialize_model(model), in_batches(samples), "minmax"),
+              work / "fused-mha-int8.onnx")
     return graphs | {"int8 after MultiHeadAttention fusions (deploykit quantize)": work / "fused-mha-int8.onnx"}
 
 
@@ -113,7 +112,8 @@ def main() -> None:
     torch.manual_seed(0)
     weights = args.work / "bert_base.pt"
     torch.save(model_zoo.bert_base().state_dict(), weights)
-    np.savez(args.work / "calibration.npz", **sequences(args.samples, args.seq, seed=7))
+    calibration = sequences(args.samples, args.seq, seed=7)
+    np.savez(args.work / "calibration.npz", **calibration)
     inputs = ["--factory", "model_zoo:bert_base", "--input", f"input_ids:1x{args.seq}:int64",
               "--input", f"attention_mask:1x{args.seq}:int64"]
     fp32 = convert(weights, args.work / "fp32", *inputs)
@@ -127,13 +127,9 @@ def main() -> None:
     paths = {"fp32": args.work / "fp32" / "model.onnx", "int8 (deploykit)": args.work / "int8" / "model.onnx",
              "fp32 bundle, quantize_dynamic": dynamic}
     if args.openvino:  # the int8 bundle's fp32 reference: standard ONNX ops only (no ONNX Runtime fusions)
-        calibration = sequences(args.samples, args.seq, seed=7)
-        paths |= openvino_graphs(args.work / "int8" / "model.fp32.onnx",
-                                 [{k: v[i:i + 8] for k, v in calibration.items()} for i in range(0, args.samples, 8)],
-                                 args.work)
+        paths |= openvino_graphs(args.work / "int8" / "model.fp32.onnx", in_batches(calibration), args.work)
     if args.fusions:
-        paths |= fused_int8_graphs(args.work / "int8" / "model.fp32.onnx", sequences(args.samples, args.seq, seed=7),
-                                   args.work)
+        paths |= fused_int8_graphs(args.work / "int8" / "model.fp32.onnx", calibration, args.work)
     timings = {batch: time_graphs(paths, sequences(batch, args.seq, seed=batch), args.rounds, args.calls)
                for batch in map(int, args.batches.split(","))}
     check = sequences(args.check, args.seq, seed=99)

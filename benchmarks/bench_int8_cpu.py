@@ -139,6 +139,12 @@ def time_graphs(paths: dict[str, Path], feeds: dict[str, np.ndarray], rounds: in
     return {name: statistics.median(values) for name, values in medians.items()}
 
 
+def in_batches(feeds: dict[str, np.ndarray], size: int = 8) -> list[dict[str, np.ndarray]]:
+    """``feeds`` (every input's rows by name) cut into consecutive batches of ``size`` rows."""
+    count = len(next(iter(feeds.values())))
+    return [{name: rows[start:start + size] for name, rows in feeds.items()} for start in range(0, count, size)]
+
+
 def open_graph(path: Path):
     """A function from feeds to the list of outputs: ONNX Runtime's CPU provider for ``.onnx``, OpenVINO's
     CPU plugin for its ``.xml`` IR, with its float ops in fp32 (on a CPU with AMX or AVX-512 bf16 its default
@@ -180,7 +186,7 @@ def accuracy(name: str, weights: Path, paths: dict[str, Path], image: int, count
     result = {}
     for name, path in paths.items():
         run = open_graph(path)
-        logits = np.concatenate([run({"x": images[i:i + 8]})[0] for i in range(0, count, 8)])
+        logits = np.concatenate([run(batch)[0] for batch in in_batches({"x": images})])
         result[name] = agreement(logits, reference)
     return result
 
@@ -216,7 +222,7 @@ def main() -> None:
              "plain export, quantize_static U8S8": quantize(plain, args.work / "plain-int8.onnx", samples, "QUInt8",
                                                             None)}
     if args.openvino:  # the int8 bundle's fp32 reference: standard ONNX ops only (no deploykit op)
-        paths |= openvino_graphs(args.work / "int8" / "model.fp32.onnx", [{"x": samples[i:i + 8]} for i in range(0, len(samples), 8)], args.work)
+        paths |= openvino_graphs(args.work / "int8" / "model.fp32.onnx", in_batches({"x": samples}), args.work)
     timings = {batch: time_graphs(paths, {"x": np.random.default_rng(batch).standard_normal(
                    (batch, 3, args.image, args.image), dtype=np.float32)}, args.rounds, args.calls)
                for batch in map(int, args.batches.split(","))}
