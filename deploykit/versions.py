@@ -7,7 +7,8 @@ import platform
 import tomllib
 from pathlib import Path
 
-_DISTRIBUTIONS = ("deploykit", "torch", "onnx", "onnxruntime", "onnxruntime-gpu", "onnxscript", "onnx-ir")
+_DISTRIBUTIONS = ("deploykit", "torch", "onnx", "onnxruntime", "onnxruntime-gpu", "onnxscript", "onnx-ir",
+                  "openvino", "nncf")
 
 
 def tool_versions() -> dict[str, str]:

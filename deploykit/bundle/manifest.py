@@ -42,6 +42,7 @@ def build_manifest(state: ConversionState) -> dict:
         "passes": [s.to_json() for s in state.shipped_pass_stats],
         "engines": [state.engine.to_json()] if state.engine else [],
         "aoti": state.aoti.entries(state.validations) if state.aoti else [],
+        "openvino": [state.openvino.validated_entry(state.validations)] if state.openvino else [],
         "custom_op_libraries": [
             {"file": state.library.path.name, "runtime": "onnxruntime", "register": "RegisterCustomOps",
              "ops": custom_op_types(model)}

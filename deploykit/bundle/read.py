@@ -52,6 +52,11 @@ class Bundle:
         return self.manifest.get("aoti", [])
 
     @property
+    def openvino(self) -> list[dict]:
+        """The OpenVINO models (the manifest's ``openvino`` entries)."""
+        return self.manifest.get("openvino", [])
+
+    @property
     def op_library(self) -> dict | None:
         return next((e for e in self.manifest.get("custom_op_libraries", []) if e["runtime"] == "onnxruntime"), None)
 

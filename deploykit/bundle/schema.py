@@ -112,6 +112,22 @@ class AotiPackage(Part):
     validated: bool = False
 
 
+class OpenVinoModel(Part):
+    """An OpenVINO model (graph .xml, weights .bin) for the CPU: fp32, or int8 quantized by NNCF from the
+    fp32 graph. A graph, not native code: it loads without consent."""
+
+    file: FileName
+    weights: FileName
+    precision: Literal["fp32", "int8"]
+    openvino: str
+    nncf: str | None = None
+    inference_precision: str = "f32"
+    source: str = ""  # which fp32 graph it was converted from
+    fake_quantize: Count = 0  # int8: NNCF's FakeQuantize ops
+    kept_float: list[str] = []  # int8: nodes auto-fix kept out of NNCF's quantization
+    validated: bool = False
+
+
 class OpLibrary(Part):
     file: FileName
     runtime: str
@@ -133,7 +149,7 @@ class TunedChoice(Part):
     """The fastest candidate that passed at one batch size, and every candidate timed there."""
 
     batch: Size
-    backend: Literal["onnxruntime", "tensorrt", "aoti"]
+    backend: Literal["onnxruntime", "tensorrt", "aoti", "openvino"]
     options: dict = {}
     p50_ms: float
     candidates: list[dict] = []
@@ -193,6 +209,7 @@ class Manifest(Header):
     passes: list[PassStats] = []
     engines: list[Engine] = []
     aoti: list[AotiPackage] = []
+    openvino: list[OpenVinoModel] = []
     custom_op_libraries: list[OpLibrary] = []
     versions: dict[str, str] = {}
     validation: Validation = Validation(passed=False)

@@ -56,9 +56,10 @@ _LISTED_FP32_NODES = 8
               help="Write plain ONNX: no deploykit::FusedBatchNorm / MatMulRelu nodes.")
 @click.option("--no-ort-fusions", is_flag=True,
               help="Leave attention, layer norms and Gelu unfused: no ONNX Runtime contrib ops in the graph.")
-@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "aoti", "all"]), default="onnxruntime",
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "aoti", "openvino", "all"]), default="onnxruntime",
               show_default=True, help="tensorrt/all also build a TensorRT engine (TensorRT or TensorRT-RTX); "
-              "aoti/all also compile AOTInductor packages (all: on a GPU only; docs/aoti.md).")
+              "aoti/all also compile AOTInductor packages (all: on a GPU only; docs/aoti.md); openvino also builds an "
+              "OpenVINO model for the CPU (fp32, or int8 by NNCF; pip install 'deploykit[openvino]').")
 @click.option("--aoti-shapes", type=click.Choice(["dynamic", "static", "both"]), default="both", show_default=True,
               help="AOTInductor packages: one over the --batch range, one per validated batch size, or both.")
 @click.option("--trt-targets", metavar="CC,CC", help="TensorRT-RTX compute capabilities, e.g. 8.6,8.9,12.0.")

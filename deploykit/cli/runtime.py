@@ -15,9 +15,10 @@ from deploykit.cli._printing import VERDICT_COLOURS, print_notes, print_notes_an
 
 #: --backend, --device, --allow-failed, --no-op-library and --trust-bundle: how deploykit.load runs the bundle.
 _runtime_options = combine(
-    click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt", "aoti"]), default="auto",
-                 show_default=True, help="auto: the TensorRT engine where this GPU runs it, else ONNX Runtime; "
-                 "aoti: the bundle's AOTInductor packages."),
+    click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt", "aoti", "openvino"]),
+                 default="auto", show_default=True, help="auto: the tuned choice, else the TensorRT engine where this "
+                 "GPU runs it, else on a CPU the OpenVINO model where OpenVINO is installed, else ONNX Runtime; aoti: "
+                 "the bundle's AOTInductor packages."),
     click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda[:N]", help="Where to run."),
     allow_failed_option("Run a bundle whose validation failed."),
     click.option("--no-op-library", is_flag=True,

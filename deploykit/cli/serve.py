@@ -16,7 +16,8 @@ from deploykit.cli._printing import print_notes
 @click.argument("bundles", type=BUNDLE, nargs=-1, required=True)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port (0: any free one).")
-@click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto", show_default=True,
+@click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt", "openvino"]), default="auto",
+              show_default=True,
               help="How deploykit.load runs each bundle.")
 @click.option("--device", "devices", multiple=True, metavar="auto|cpu|cuda|cuda:N[,...]",
               help="Where instances run: cuda is every visible GPU, cuda:N one, a comma list (or the option "

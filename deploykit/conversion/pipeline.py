@@ -27,7 +27,7 @@ from deploykit.bundle import write as bundle
 from deploykit.bundle.format import MODEL, REFERENCE_MODEL, REPORT, REPORT_PAGE
 from deploykit.bundle.manifest import build_manifest, native_files, tensor_spec
 from deploykit.bundle.read import open_bundle
-from deploykit.conversion import aoti, fp8
+from deploykit.conversion import aoti, fp8, openvino
 from deploykit.conversion.engine import build_tensorrt_stage
 from deploykit.conversion.export import check_program_batch, export_onnx
 from deploykit.conversion.loading import LoadedModel, load_model
@@ -74,6 +74,7 @@ def convert(options: ConvertOptions, stage=_no_stage) -> ConvertResult:
     bundle.prepare_destination(Path(options.output).absolute(), options.force)
     quantize.check_options(options)
     fp8.check_options(options)
+    openvino.check_options(options)
     if not options.quantizes_graph:
         check_precision(options.graph_precision, options.io_precision, options.auto_fix)
     state = ConversionState(options)
@@ -183,6 +184,18 @@ def _compile_aoti(state: ConversionState) -> None:
                                        options.precision, state.fp8)
 
 
+def _build_openvino(state: ConversionState, kept_float: list[str] = ()) -> None:
+    """The OpenVINO model from the fp32 graph the shipped one was made from (int8: NNCF on the same calibration
+    batches, ``kept_float``: what auto-fix keeps in float), from a graph of standard ops where that one has ours."""
+    options = state.options
+    source = state.quantization.fp32 if state.quantization is not None else state.optimized
+    note = openvino.source_note(source)
+    if custom_op_types(source):
+        source, _ = run_passes(state.exported.model, custom_ops=False, ort_fusions=options.ort_fusions,
+                               quantizable=options.quantizes_graph)
+    state.openvino = openvino.OpenVinoStage.build(source, note, options.precision, state.calibration, kept_float)
+
+
 def _validate(state: ConversionState) -> None:
     state.tolerances = parse_tolerances(state.options.tolerances, state.options.precision,
                                         state.reference.output_names)
@@ -221,18 +234,20 @@ def _auto_fix_int8(state: ConversionState) -> None:
     feeds = state.feed_sets[index]
     ranking = quantize_fix.rank_nodes(stage.fp32, stage.model, feeds, stage.fixable_nodes(), library)
     stage.fix = fix = quantize_fix.QuantizationFix(ranking, quantized_ms=quantize_fix.latency_ms(stage.model, feeds, library))
-    unfixed = stage.model, stage.nodes, state.validations
+    unfixed = stage.model, stage.nodes, state.validations, state.openvino
     for size in quantize_fix.round_sizes(len(ranking), quantize_fix.MAX_FLOAT):
         kept = quantize_fix.with_feeding_ops(stage.fp32, [r.node for r in ranking[:size]],
                                              quantize.quantized_ops(stage.precision))
         stage.requantize(kept)
+        if state.openvino is not None:
+            _build_openvino(state, kept)
         _validate_shipped(state)
         fix.rounds.append(quantize_fix.FixRound(kept, state.passed, quantize_fix.latency_ms(stage.model, feeds, library)))
         if state.passed:
             fix.stopped = f"passed with {len(kept)} node(s) in float"
             return
     # nothing passed: the fully quantized graph ships (as fast as int8 gets, and no worse than the rounds)
-    stage.model, stage.nodes, state.validations = unfixed
+    stage.model, stage.nodes, state.validations, state.openvino = unfixed
     kept_products = min(len(ranking), quantize_fix.MAX_FLOAT)
     fix.stopped = (f"still failing with the {kept_products} worst of {len(ranking)} matrix products in float "
                    f"({len(fix.rounds[-1].kept_float)} nodes with the ops that feed them; the bound is {quantize_fix.MAX_FLOAT} "
@@ -287,6 +302,8 @@ def _write_bundle(state: ConversionState) -> None:
             (staging / state.engine.file_name).write_bytes(state.engine.build.engine)
         for package in state.aoti.packages if state.aoti else []:
             shutil.copy2(package.path, staging / package.entry["file"])
+        for path in state.openvino.files if state.openvino else []:
+            shutil.copy2(path, staging / path.name)
         bundle.write_json(staging / REPORT, state.report)
         (staging / REPORT_PAGE).write_text(render_html(state.report, state.validations))
         manifest.update(build_manifest(state))
@@ -333,6 +350,10 @@ def _aoti_requested(state: ConversionState) -> bool:
     return state.options.backend in ("aoti", "all")
 
 
+def _openvino_requested(state: ConversionState) -> bool:
+    return state.options.backend == "openvino"
+
+
 def _tensorrt_needs_portable_graph(state: ConversionState) -> bool:
     """TensorRT cannot parse ONNX Runtime's contrib ops: it builds from a graph without them."""
     return _tensorrt_requested(state) and bool(ort_only_ops(state.optimized))
@@ -370,6 +391,7 @@ STEPS = (
     Step("Building deploykit's op library (cached after the first run)", _find_op_library, _uses_deploykit_ops),
     Step("Building the TensorRT engine", _build_engine, _tensorrt_requested),
     Step("Compiling AOTInductor packages (C++: slow)", _compile_aoti, _aoti_requested),
+    Step("Building the OpenVINO model ({options.precision}; int8 by NNCF)", _build_openvino, _openvino_requested),
     Step("Validating against PyTorch", _validate),
     Step("Pinning the nodes that diverge to fp32 (--auto-fix)", _auto_fix, _auto_fix_can_help),
     Step("Keeping the quantized nodes that diverge in float (--auto-fix)", _auto_fix_int8, _int8_auto_fix_can_help),
@@ -385,9 +407,16 @@ def _shipped_candidates(state: ConversionState) -> dict:
                              state.precision, state.aoti, graph)
     if state.engine is not None and state.engine.runner is None and state.engine_graph is not state.shipped_graph:
         # The engine cannot run here: the graph it was built from stands in for it.
-        *shipped, plain = candidates.items()
-        candidates = dict([*shipped, *_engine_graph_candidates(state).items(), plain])
+        candidates = _before_plain_export(candidates, _engine_graph_candidates(state))
+    if state.openvino is not None:
+        candidates = _before_plain_export(candidates, {state.openvino.label: state.openvino.runner})
     return candidates
+
+
+def _before_plain_export(candidates: dict, more: dict) -> dict:
+    """``more`` candidates among the shipped ones: the plain export stays last."""
+    *shipped, plain = candidates.items()
+    return dict([*shipped, *more.items(), plain])
 
 
 def _engine_graph_candidates(state: ConversionState) -> dict:

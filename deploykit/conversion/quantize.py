@@ -83,12 +83,12 @@ def check_options(options: ConvertOptions) -> None:
         return
     refused = {
         "--io-precision": options.io_precision is not None,
-        f"--backend {options.backend}": options.backend not in TARGETS,
+        f"--backend {options.backend}": options.backend not in (*TARGETS, "openvino"),
     }
     for flag, given in refused.items():
         if given:
-            raise BadInputError(f"{flag} is not supported with --precision int8 yet (int8 is written for ONNX Runtime "
-                                f"and TensorRT); drop {flag.split()[0]}, or convert with --precision fp16")
+            raise BadInputError(f"{flag} is not supported with --precision int8 yet (int8 is written for ONNX Runtime, "
+                                f"TensorRT and OpenVINO); drop {flag.split()[0]}, or convert with --precision fp16")
     if options.calibration_method not in CALIBRATION_METHODS:
         raise BadInputError(f"--calibration-method {options.calibration_method!r}: use "
                             f"{', '.join(CALIBRATION_METHODS)}")
@@ -215,7 +215,7 @@ def quantize(model: onnx.ModelProto, batches: list[dict[str, np.ndarray]], metho
     activations = QuantType.QFLOAT8E4M3FN if fp8 else QuantType.QInt8 if symmetric else QuantType.QUInt8
     methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                "percentile": CalibrationMethod.Percentile, FP8_CALIBRATION_METHOD: CalibrationMethod.Distribution}
-    with tempfile.TemporaryDirectory(prefix="deploykit-quantize-") as work, _quiet():
+    with tempfile.TemporaryDirectory(prefix="deploykit-quantize-") as work, quiet():
         source, written = Path(work) / "fp32.onnx", Path(work) / "quantized.onnx"
         onnx.save_model(model, source)
         quantize_static(
@@ -288,7 +288,7 @@ class _Batches:
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet():
     """quantize_static logs advice on the root logger and prints histogram progress to stdout,
     which carries convert --json's report: neither reaches the user."""
     previous = logging.root.manager.disable

@@ -33,6 +33,7 @@ def build_report(state: ConversionState) -> dict:
         "export": {"exporter": exported.exporter, "opset": exported.opset},
         "engines": [engine.to_json()] if engine else [],
         "aoti": state.aoti.to_json(state.validations) if state.aoti else None,
+        "openvino": state.openvino.validated_entry(state.validations) if state.openvino else None,
         "custom_ops": {
             "ops": custom_op_types(state.shipped_graph),
             "library": library.path.name if library.path else None,

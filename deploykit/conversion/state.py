@@ -18,6 +18,7 @@ from deploykit.conversion.engine import EngineStage
 from deploykit.conversion.export import ExportResult
 from deploykit.conversion.fp8 import Fp8Stage
 from deploykit.conversion.loading import LoadedModel
+from deploykit.conversion.openvino import OpenVinoStage
 from deploykit.conversion.options import ConvertOptions
 from deploykit.conversion.precision import PrecisionStage
 from deploykit.conversion.quantize import Calibration, QuantizationStage
@@ -61,6 +62,9 @@ class ConversionState:
     # fp8: the Linear layers the packages compute in fp8, and their calibration
     aoti: AotiStage | None = None
     fp8: Fp8Stage | None = None
+    # "Building the OpenVINO model" (--backend openvino): its files, manifest entry and runner; int8 auto-fix
+    # builds it again with the nodes it keeps in float
+    openvino: OpenVinoStage | None = None
     # "Validating against PyTorch"; auto-fix validates again. The first candidate is the bundle
     # as it will run, the last the plain export.
     tolerances: dict[str, Tolerance] = dataclasses.field(default_factory=dict)

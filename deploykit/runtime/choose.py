@@ -1,5 +1,5 @@
-"""``load``: which backend runs a bundle here (its engine where this GPU can, else ONNX Runtime; its
-AOTInductor packages when asked for)."""
+"""``load``: which backend runs a bundle here (its engine where this GPU can, its OpenVINO model on a CPU
+with OpenVINO, else ONNX Runtime; its AOTInductor packages when asked for)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ from deploykit.backends.base.runner import Runner
 from deploykit.backends.onnxruntime import wheels
 from deploykit.backends.onnxruntime.bundle import load_onnxruntime
 from deploykit.backends.onnxruntime.loader import CUDA_EP
+from deploykit.backends.openvino import loader as openvino
+from deploykit.backends.openvino.bundle import load_openvino
 from deploykit.backends.tensorrt.bundle import load_tensorrt_engine
 from deploykit.backends.tensorrt.compat import engine_problem_here
 from deploykit.backends.tensorrt.shim import local_gpus
-from deploykit.tuning.route import load_tuned
+from deploykit.tuning.route import ORT_HINTS, load_tuned
 
-BACKENDS = ("auto", "onnxruntime", "tensorrt", "aoti")
+BACKENDS = ("auto", "onnxruntime", "tensorrt", "aoti", "openvino")
 #: What ``load(..., backend="aoti")`` passes on to the AOTInductor runner.
 AOTI_OPTIONS = ("cuda_graph", "packages")
 
@@ -47,6 +49,12 @@ def choose_backend(bundle: Bundle, backend: str, device: str, trust_native: bool
     notes: list[str] = []
     if backend == "aoti":
         return "aoti", device, notes
+    if backend == "openvino":
+        if device == "cuda":
+            raise BadInputError("OpenVINO runs the bundle on the CPU: use device='cpu' (or backend='onnxruntime')")
+        if not bundle.openvino:
+            raise BadInputError(f"{bundle.path} has no OpenVINO model: convert with --backend openvino")
+        return "openvino", "cpu", notes
     if backend in ("auto", "tensorrt") and device != "cpu":
         if not bundle.engines:
             if backend == "tensorrt":
@@ -65,6 +73,10 @@ def choose_backend(bundle: Bundle, backend: str, device: str, trust_native: bool
         raise BadInputError("TensorRT runs on the GPU only: use device='cuda' (or backend='onnxruntime')")
     if device == "auto":
         device = "cuda" if ort_has_cuda() and has_gpu() else "cpu"
+    if backend == "auto" and device == "cpu" and bundle.openvino:
+        if openvino.available():
+            return "openvino", "cpu", notes
+        notes.append(f"OpenVINO model not used: OpenVINO is not installed ({openvino.INSTALL})")
     elif device == "cuda" and not ort_has_cuda():
         import onnxruntime as ort
 
@@ -84,9 +96,9 @@ def load(bundle: str | Path | Bundle, backend: str = "auto", device: str = "auto
     again: several runners of one bundle) and return a runner for it.
 
     ``backend``: auto (the fastest validated choice per batch size where the bundle was tuned on a
-    machine like this one, docs/tuning.md; else the engine where this GPU runs it, else ONNX
-    Runtime), onnxruntime, tensorrt or aoti (the bundle's AOTInductor packages: cuda ones on a GPU,
-    else cpu ones). ``device``: auto, cpu, cuda or cuda:N. Files are checked against the manifest's
+    machine like this one, docs/tuning.md; else the engine where this GPU runs it, else on a CPU the
+    bundle's OpenVINO model where OpenVINO is installed, else ONNX Runtime), onnxruntime, tensorrt,
+    openvino or aoti (the bundle's AOTInductor packages: cuda ones on a GPU, else cpu ones). ``device``: auto, cpu, cuda or cuda:N. Files are checked against the manifest's
     sha256 (``verify=False`` skips it). Native code from the bundle (its op library, an engine's
     plugins) runs only when this machine's deploykit made it, or with ``trust_native=True``
     (else a foreign op library is swapped for this machine's build, or refused). A bundle that
@@ -94,7 +106,8 @@ def load(bundle: str | Path | Bundle, backend: str = "auto", device: str = "auto
     the bundle was validated for raises BadInputError unless ``allow_unvalidated`` (ONNX Runtime
     then runs it and says so in ``runner.notes``; an engine runs only the batches it was built
     for). ``options`` go to the runner (ONNX Runtime:
-    threads, spin, cuda_graph, stream, tf32, profile_prefix; AOTInductor: cuda_graph, packages). Why a
+    threads, spin, cuda_graph, stream, tf32, profile_prefix; AOTInductor: cuda_graph, packages; OpenVINO:
+    threads). Why a
     backend was chosen and what differs from the conversion machine are in ``runner.notes``; the latter
     are also issued as warnings.
     """
@@ -119,6 +132,12 @@ def load(bundle: str | Path | Bundle, backend: str = "auto", device: str = "auto
                                 f"{', '.join(AOTI_OPTIONS)})")
         runner = load_aoti(opened, None, device_id, device=kind, verify=verify, trust_native=trust_native,
                            notes=notes, allow_unvalidated=allow_unvalidated, **options)
+    elif chosen == "openvino":
+        given = {name: value for name, value in options.items() if name not in ORT_HINTS}
+        unknown = sorted(set(given) - set(openvino.OPTIONS))
+        if unknown:
+            raise BadInputError(f"{', '.join(unknown)} do not apply to OpenVINO (options: {', '.join(openvino.OPTIONS)})")
+        runner = load_openvino(opened, verify=verify, notes=notes, allow_unvalidated=allow_unvalidated, **given)
     elif chosen == "tensorrt":
         if options:
             raise BadInputError(f"{', '.join(options)} apply to ONNX Runtime only; this bundle runs its TensorRT engine")

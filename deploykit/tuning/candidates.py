@@ -2,7 +2,8 @@
 
 ONNX Runtime on the CPU; on a GPU, ONNX Runtime's CUDA provider with CUDA graphs on and off (and
 NHWC kernels on and off when the graph has convolutions), each TensorRT engine this GPU runs and
-the AOTInductor packages built for this torch and device (static ones, the dynamic one). What cannot run here stays in the list
+the AOTInductor packages built for this torch and device (static ones, the dynamic one), and on the CPU
+the bundle's OpenVINO models. What cannot run here stays in the list
 with the reason, so the tuning table says why it was not timed. ``open_runner`` is also what the
 tuned runner of ``deploykit.load`` uses, so what was timed is what runs.
 """
@@ -19,12 +20,14 @@ from deploykit.backends.aoti.compat import PackageChecks
 from deploykit.backends.base.runner import Runner
 from deploykit.backends.onnxruntime.bundle import load_onnxruntime
 from deploykit.backends.onnxruntime.loader import CUDA_EP
+from deploykit.backends.openvino import loader as openvino
+from deploykit.backends.openvino.bundle import load_openvino, openvino_entry
 from deploykit.backends.tensorrt.bundle import load_tensorrt_engine
 from deploykit.backends.tensorrt.compat import engine_problem_here
 from deploykit.bundle import trust
 from deploykit.bundle.read import Bundle
 
-BACKENDS = ("onnxruntime", "tensorrt", "aoti")
+BACKENDS = ("onnxruntime", "tensorrt", "aoti", "openvino")
 
 
 @dataclasses.dataclass
@@ -67,7 +70,8 @@ def find_candidates(bundle: Bundle, device: str, trust_native: bool = False, dev
     ``convolutions``: whether the graph has any, where the caller knows (None: the graph is read)."""
     found = _onnxruntime(bundle, device, convolutions)
     found += [_engine(bundle, entry, device, trust_native) for entry in bundle.engines]
-    return found + _aoti(bundle, device, trust_native, checks or PackageChecks(device_id))
+    found += _aoti(bundle, device, trust_native, checks or PackageChecks(device_id))
+    return found + [_openvino(entry, device) for entry in bundle.openvino]
 
 
 def _onnxruntime(bundle: Bundle, device: str, convolutions: bool | None) -> list[Candidate]:
@@ -103,6 +107,13 @@ def _engine(bundle: Bundle, entry: dict, device: str, trust_native: bool) -> Can
     problem = "TensorRT runs on the GPU only" if device != "cuda" else engine_problem_here(entry)
     problem = problem or trust.plugins_problem(bundle, entry, trust_native)
     return Candidate("tensorrt", {"file": entry["file"]}, f"TensorRT {entry['file']}", problem)
+
+
+def _openvino(entry: dict, device: str) -> Candidate:
+    problem = "OpenVINO runs on the CPU only" if device != "cpu" else None
+    if problem is None and not openvino.available():
+        problem = f"OpenVINO is not installed ({openvino.INSTALL})"
+    return Candidate("openvino", {"file": entry["file"]}, f"OpenVINO {entry['file']}", problem)
 
 
 def _aoti(bundle: Bundle, device: str, trust_native: bool, checks: PackageChecks) -> list[Candidate]:
@@ -155,6 +166,9 @@ def open_runner(bundle: Bundle, backend: str, options: dict, device: str, device
     if backend == "tensorrt":
         entry = next(e for e in bundle.engines if e["file"] == options["file"])
         return load_tensorrt_engine(bundle, entry, device_id, verify=verify, notes=notes, trust_native=trust_native)
+    if backend == "openvino":
+        return load_openvino(bundle, openvino_entry(bundle, options["file"]), verify=verify, notes=notes,
+                             allow_unvalidated=allow_unvalidated, threads=ort_options.get("threads"))
     return load_aoti(bundle, None, device_id, device=device, checks=checks, verify=verify, trust_native=trust_native,
                      cuda_graph=options.get("cuda_graph"), notes=notes, allow_unvalidated=allow_unvalidated,
                      packages=options["packages"])

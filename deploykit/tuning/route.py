@@ -17,12 +17,14 @@ import json
 from deploykit.backends.aoti.compat import PackageChecks
 from deploykit.backends.base.feeds import given_batch
 from deploykit.backends.base.runner import Runner
+from deploykit.backends.openvino import loader as openvino
 from deploykit.bundle.read import Bundle
 from deploykit.errors import BadInputError, EnvironmentProblem
 from deploykit.tuning import record
 from deploykit.tuning.candidates import accepted_batches, choice_problem, find_candidates, open_runner, takes
 
-#: ONNX Runtime options that tune its routes only: given, a tuned route on another backend still runs.
+#: ONNX Runtime options that tune its routes only: given, a tuned route on another backend still runs
+#: (serve passes ``spin`` on the CPU whichever backend runs).
 ORT_HINTS = ("spin",)
 
 
@@ -101,7 +103,7 @@ def load_tuned(bundle: Bundle, device: str, device_id: int, notes: list[str], *,
             opened[key] = open_runner(bundle, backend, options, device, device_id, trust_native=trust_native,
                                       notes=list(notes), verify=verify, allow_unvalidated=allow_unvalidated,
                                       checks=checks,
-                                      **({**ort_options, "op_library": op_library} if backend == "onnxruntime" else {}))
+                                      **_options_for(backend, ort_options, op_library))
         return opened[key]
 
     routes, here = [], find_candidates(bundle, device, trust_native, device_id, checks,
@@ -109,7 +111,8 @@ def load_tuned(bundle: Bundle, device: str, device_id: int, notes: list[str], *,
     for choice in tuning["choices"]:
         backend, options = choice["backend"], choice["options"]
         problem = choice_problem(here, backend, options)
-        forcing = [name for name in ort_options if name not in ORT_HINTS]
+        forcing = [name for name in ort_options if name not in _options_for(backend, ort_options, op_library)
+                   and name not in ORT_HINTS]
         if problem is None and forcing and backend != "onnxruntime":
             problem = f"{', '.join(forcing)} apply to ONNX Runtime only"
         if problem:
@@ -130,6 +133,15 @@ def load_tuned(bundle: Bundle, device: str, device_id: int, notes: list[str], *,
             notes.append(f"batches other than {sizes} are refused: {problem}")
     notes.append("tuned: " + ", ".join(f"batch {route.batch} -> {route.label}" for route in routes))
     return TunedRunner(bundle, device, routes, fallback, notes, no_fallback)
+
+
+def _options_for(backend: str, ort_options: dict, op_library: bool) -> dict:
+    """The caller's options that ``backend`` takes (OpenVINO: its thread count)."""
+    if backend == "onnxruntime":
+        return {**ort_options, "op_library": op_library}
+    if backend == "openvino":
+        return {name: value for name, value in ort_options.items() if name in openvino.OPTIONS}
+    return {}
 
 
 def _sizes(ranges: list[tuple[int, int]]) -> str:

@@ -1,0 +1,117 @@
+"""The OpenVINO stage of a conversion (``--backend openvino``): the fp32 graph converted to an OpenVINO
+model for the CPU and, with ``--precision int8``, quantized by NNCF on the same calibration batches as
+ONNX Runtime's int8 graph. Validation compares its runner with PyTorch like every other candidate.
+
+Why a second CPU route: on x86 CPUs OpenVINO's int8 kernels keep attention, GELU and LayerNorm fused around
+the int8 products, where ONNX Runtime's QDQ graph runs them as float ops between Q/DQ pairs; BERT-base ran
+1.8-2.1x faster than ONNX Runtime's int8 at the same accuracy (BENCHMARKS.md). The bundle still ships
+model.onnx, so it runs wherever OpenVINO is not installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import tempfile
+from pathlib import Path
+
+import onnx
+
+from deploykit.backends.openvino.loader import EXTRA, compile_model, import_openvino, installed_version
+from deploykit.backends.openvino.runner import OpenVinoRunner
+from deploykit.bundle.manifest import tensor_spec
+from deploykit.conversion.options import ConvertOptions
+from deploykit.conversion.quantize import Calibration, quiet
+from deploykit.errors import BadInputError, EnvironmentProblem
+from deploykit.ops import custom_op_types
+
+#: What an OpenVINO model of a bundle computes in: fp32 as validated, or NNCF's int8.
+PRECISIONS = ("fp32", "int8")
+#: The model's two files in the bundle (a bundle is flat: no folders).
+FILE = "model.{precision}.openvino.xml"
+
+
+def check_options(options: ConvertOptions) -> None:
+    """Before any work: ``--backend openvino`` takes fp32 and int8, and needs OpenVINO (and NNCF for int8)."""
+    if options.backend != "openvino":
+        return
+    if options.precision not in PRECISIONS:
+        raise BadInputError(f"--backend openvino builds fp32 or int8 models, not {options.precision}: use "
+                            "--precision int8 (NNCF) or fp32, or --backend onnxruntime for "
+                            f"{options.precision}")
+    import_openvino()
+    if options.precision == "int8":
+        import_nncf()
+
+
+def import_nncf():
+    """The ``nncf`` module, or EnvironmentProblem naming the extra."""
+    try:
+        import nncf
+    except ImportError as error:
+        raise EnvironmentProblem(f"NNCF is not installed ({error}): pip install '{EXTRA}'") from None
+    return nncf
+
+
+def source_note(graph: onnx.ModelProto) -> str:
+    """Which fp32 graph the model is converted from, for the report."""
+    return ("the fp32 graph without deploykit's ops (OpenVINO cannot read them)" if custom_op_types(graph)
+            else "the fp32 graph the ONNX graph was made from")
+
+
+@dataclasses.dataclass
+class OpenVinoStage:
+    """The OpenVINO model written to a temporary folder until the bundle is, its manifest entry, and the
+    runner validation compares with PyTorch."""
+
+    entry: dict  # the manifest's entry; ``validated`` is set once validation has run
+    folder: tempfile.TemporaryDirectory
+    runner: OpenVinoRunner
+
+    @property
+    def label(self) -> str:
+        return self.runner.name
+
+    @property
+    def files(self) -> list[Path]:
+        return [Path(self.folder.name) / self.entry[key] for key in ("file", "weights")]
+
+    @classmethod
+    def build(cls, source: onnx.ModelProto, note: str, precision: str, calibration: Calibration | None,
+              kept_float: list[str] = ()) -> OpenVinoStage:
+        """``source`` (an fp32 graph of standard ONNX ops, and ONNX Runtime ops OpenVINO reads) converted;
+        int8: quantized by NNCF on ``calibration``'s batches, ``kept_float`` nodes left out."""
+        ov = import_openvino()
+        folder = tempfile.TemporaryDirectory(prefix="deploykit-openvino-")
+        work = Path(folder.name)
+        onnx.save_model(source, work / "source.onnx")
+        model = ov.convert_model(work / "source.onnx")
+        entry = {"file": FILE.format(precision=precision), "precision": precision, "openvino": installed_version(),
+                 "inference_precision": "f32", "source": note}
+        if precision == "int8":
+            model = _quantized(model, calibration, kept_float)
+            entry |= {"nncf": importlib.metadata.version("nncf"), "kept_float": list(kept_float),
+                      "fake_quantize": sum(op.get_type_name() == "FakeQuantize" for op in model.get_ops())}
+        xml = work / entry["file"]
+        ov.save_model(model, xml, compress_to_fp16=False)
+        entry["weights"] = xml.with_suffix(".bin").name
+        inputs, outputs = [tensor_spec(v) for v in source.graph.input], [tensor_spec(v) for v in source.graph.output]
+        runner = OpenVinoRunner(compile_model(xml, xml.with_suffix(".bin")), inputs=inputs, outputs=outputs,
+                                label=entry["file"], name=f"openvino {precision}")
+        return cls(entry, folder, runner)
+
+    def validated_entry(self, validations) -> dict:
+        """The manifest's entry: validated when every batch it ran passed."""
+        runs = next((v.runs for v in validations if v.label == self.label), [])
+        self.entry["validated"] = bool(runs) and all(run.passed for run in runs)
+        return self.entry
+
+
+def _quantized(model, calibration: Calibration, kept_float: list[str]):
+    """NNCF's post-training int8 of ``model`` on every calibration batch (its defaults: per-channel weights,
+    per-tensor activations, fast bias correction), ``kept_float`` nodes ignored where the model has them."""
+    nncf = import_nncf()
+    ignored = nncf.IgnoredScope(names=list(kept_float), validate=False) if kept_float else None
+    with quiet():
+        return nncf.quantize(model, nncf.Dataset(calibration.batches), subset_size=len(calibration.batches),
+                             ignored_scope=ignored)
