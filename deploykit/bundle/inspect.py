@@ -37,6 +37,8 @@ def describe_bundle(path: Path) -> dict:
         "aoti": [{key: entry.get(key) for key in ("file", "device", "torch", "cuda_arch", "gpu", "cpu_isa", "precision",
                                                   "cuda_graph", "validated")} | {"batch": _range(entry["batch"])}
                  for entry in bundle.aoti],
+        "openvino": [{key: entry.get(key) for key in ("file", "precision", "openvino", "nncf", "validated")}
+                     for entry in bundle.openvino],
         "passes": {p["name"]: {k: v for k, v in p["changes"].items() if v} for p in manifest.get("passes", [])},
         "validation": manifest.get("validation", {}),
         "quantization": manifest.get("quantization"),  # int8, fp8: calibration, quantized and float nodes

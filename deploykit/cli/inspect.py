@@ -56,6 +56,10 @@ def _print_info(info: dict) -> None:
         console.print(f"aoti: {package['file']} ({package['device']}, batch {package['batch']}, {package['precision']}, "
                       f"torch {package['torch']}, {target}{graph}; "
                       f"{'validated' if package['validated'] else 'NOT validated'})", soft_wrap=True)
+    for model in info["openvino"]:
+        made = f", NNCF {model['nncf']}" if model["nncf"] else ""
+        console.print(f"openvino: {model['file']} ({model['precision']}, CPU, OpenVINO {model['openvino']}{made}; "
+                      f"{'validated' if model['validated'] else 'NOT validated'})", soft_wrap=True)
     changed = [f"{name} ({', '.join(f'{k} {v}' for k, v in changes.items())})"
                for name, changes in info["passes"].items() if changes]
     console.print(f"passes: {'; '.join(changed) or 'none changed the exported graph'}", soft_wrap=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import re
 import tempfile
 from pathlib import Path
 
@@ -19,7 +20,6 @@ import onnx
 
 from deploykit.backends.openvino.loader import EXTRA, compile_model, import_openvino, installed_version
 from deploykit.backends.openvino.runner import OpenVinoRunner
-from deploykit.bundle.manifest import tensor_spec
 from deploykit.conversion.options import ConvertOptions
 from deploykit.conversion.quantize import Calibration, quiet
 from deploykit.errors import BadInputError, EnvironmentProblem
@@ -70,17 +70,19 @@ class OpenVinoStage:
 
     @property
     def label(self) -> str:
-        return self.runner.name
+        """The validation candidate that runs the model."""
+        return f"OpenVINO model {self.entry['precision']}" + (" (NNCF)" if self.entry["precision"] == "int8" else "")
 
     @property
     def files(self) -> list[Path]:
         return [Path(self.folder.name) / self.entry[key] for key in ("file", "weights")]
 
     @classmethod
-    def build(cls, source: onnx.ModelProto, note: str, precision: str, calibration: Calibration | None,
-              kept_float: list[str] = ()) -> OpenVinoStage:
-        """``source`` (an fp32 graph of standard ONNX ops, and ONNX Runtime ops OpenVINO reads) converted;
-        int8: quantized by NNCF on ``calibration``'s batches, ``kept_float`` nodes left out."""
+    def build(cls, source: onnx.ModelProto, io: tuple[list[dict], list[dict]], note: str, precision: str,
+              calibration: Calibration | None, kept_float: list[str] = ()) -> OpenVinoStage:
+        """``source`` (an fp32 graph of standard ONNX ops, and ONNX Runtime ops OpenVINO reads; ``io`` its input
+        and output specs) converted; int8: quantized by NNCF on ``calibration``'s batches, ``kept_float`` nodes
+        left out."""
         ov = import_openvino()
         folder = tempfile.TemporaryDirectory(prefix="deploykit-openvino-")
         work = Path(folder.name)
@@ -95,9 +97,8 @@ class OpenVinoStage:
         xml = work / entry["file"]
         ov.save_model(model, xml, compress_to_fp16=False)
         entry["weights"] = xml.with_suffix(".bin").name
-        inputs, outputs = [tensor_spec(v) for v in source.graph.input], [tensor_spec(v) for v in source.graph.output]
-        runner = OpenVinoRunner(compile_model(xml, xml.with_suffix(".bin")), inputs=inputs, outputs=outputs,
-                                label=entry["file"], name=f"openvino {precision}")
+        runner = OpenVinoRunner(compile_model(xml, xml.with_suffix(".bin")), inputs=io[0], outputs=io[1],
+                                label=entry["file"])
         return cls(entry, folder, runner)
 
     def validated_entry(self, validations) -> dict:
@@ -109,9 +110,13 @@ class OpenVinoStage:
 
 def _quantized(model, calibration: Calibration, kept_float: list[str]):
     """NNCF's post-training int8 of ``model`` on every calibration batch (its defaults: per-channel weights,
-    per-tensor activations, fast bias correction), ``kept_float`` nodes ignored where the model has them."""
+    per-tensor activations, fast bias correction), ``kept_float`` nodes ignored where the model has them.
+
+    OpenVINO names the ops it makes of an ONNX node after the node, or after the node and a part ("node_linear"
+    and "node_linear/WithoutBiases" for a Gemm): a kept node's pattern matches both."""
     nncf = import_nncf()
-    ignored = nncf.IgnoredScope(names=list(kept_float), validate=False) if kept_float else None
+    patterns = [f"^{re.escape(name)}(/.*)?$" for name in kept_float]
+    ignored = nncf.IgnoredScope(patterns=patterns, validate=False) if kept_float else None
     with quiet():
         return nncf.quantize(model, nncf.Dataset(calibration.batches), subset_size=len(calibration.batches),
                              ignored_scope=ignored)

@@ -193,7 +193,8 @@ def _build_openvino(state: ConversionState, kept_float: list[str] = ()) -> None:
     if custom_op_types(source):
         source, _ = run_passes(state.exported.model, custom_ops=False, ort_fusions=options.ort_fusions,
                                quantizable=options.quantizes_graph)
-    state.openvino = openvino.OpenVinoStage.build(source, note, options.precision, state.calibration, kept_float)
+    io = [tensor_spec(v) for v in source.graph.input], [tensor_spec(v) for v in source.graph.output]
+    state.openvino = openvino.OpenVinoStage.build(source, io, note, options.precision, state.calibration, kept_float)
 
 
 def _validate(state: ConversionState) -> None:
@@ -391,7 +392,7 @@ STEPS = (
     Step("Building deploykit's op library (cached after the first run)", _find_op_library, _uses_deploykit_ops),
     Step("Building the TensorRT engine", _build_engine, _tensorrt_requested),
     Step("Compiling AOTInductor packages (C++: slow)", _compile_aoti, _aoti_requested),
-    Step("Building the OpenVINO model ({options.precision}; int8 by NNCF)", _build_openvino, _openvino_requested),
+    Step("Building the OpenVINO model ({options.precision})", _build_openvino, _openvino_requested),
     Step("Validating against PyTorch", _validate),
     Step("Pinning the nodes that diverge to fp32 (--auto-fix)", _auto_fix, _auto_fix_can_help),
     Step("Keeping the quantized nodes that diverge in float (--auto-fix)", _auto_fix_int8, _int8_auto_fix_can_help),

@@ -33,9 +33,10 @@ def run_benchmark(name: str, *args, timeout: float = 600) -> subprocess.Complete
 
 
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment, ``extra`` on top, and this folder first on PYTHONPATH."""
-    path = os.pathsep.join(filter(None, [str(HELPERS), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, **(extra or {}), "PYTHONPATH": path}
+    """This process's environment, ``extra`` on top, and this folder first on PYTHONPATH (then ``extra``'s)."""
+    extra = extra or {}
+    path = os.pathsep.join(filter(None, [str(HELPERS), extra.get("PYTHONPATH"), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, **extra, "PYTHONPATH": path}
 
 
 def convert(cwd: Path, *args) -> subprocess.CompletedProcess:

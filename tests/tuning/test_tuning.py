@@ -89,7 +89,7 @@ def test_the_table_round_trips_and_the_files_stay_verified(tuned, tmp_path):
 
 
 @pytest.mark.parametrize(("change", "field"), [
-    (lambda t: t["choices"][0].update(backend="openvino"), "tuning.choices.0.backend"),
+    (lambda t: t["choices"][0].update(backend="directml"), "tuning.choices.0.backend"),
     (lambda t: t["choices"][0].update(batch=0), "tuning.choices.0.batch"),
     (lambda t: t.update(device="tpu"), "tuning.device"),
     (lambda t: t["choices"][0].pop("p50_ms"), "tuning.choices.0.p50_ms"),
