@@ -31,8 +31,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "helpers")]
 
-from bench_int8_cpu import (add_shared_arguments, convert, in_batches, open_graph, openvino_graphs,  # noqa: E402
-                            print_summary, quantize, time_graphs, write_results)
+from bench_int8_cpu import (BUNDLE_OPENVINO, add_shared_arguments, convert, in_batches, int8_flags,  # noqa: E402
+                            open_graph, openvino_graphs, print_summary, quantize, time_graphs, write_results)
 
 VOCABULARY = 1000  # model_zoo.BertEncoder's
 
@@ -117,9 +117,7 @@ def main() -> None:
     inputs = ["--factory", "model_zoo:bert_base", "--input", f"input_ids:1x{args.seq}:int64",
               "--input", f"attention_mask:1x{args.seq}:int64"]
     fp32 = convert(weights, args.work / "fp32", *inputs)
-    int8 = convert(weights, args.work / "int8", *inputs, "--precision", "int8", "--calibration",
-                   str(args.work / "calibration.npz"), "--calibration-method", args.method,
-                   *(["--auto-fix"] if args.auto_fix else []))
+    int8 = convert(weights, args.work / "int8", *inputs, *int8_flags(args, args.work / "calibration.npz"))
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     dynamic = args.work / "dynamic-int8.onnx"
@@ -128,6 +126,7 @@ def main() -> None:
              "fp32 bundle, quantize_dynamic": dynamic}
     if args.openvino:  # the int8 bundle's fp32 reference: standard ONNX ops only (no ONNX Runtime fusions)
         paths |= openvino_graphs(args.work / "int8" / "model.fp32.onnx", in_batches(calibration), args.work)
+        paths[BUNDLE_OPENVINO] = args.work / "int8"
     if args.fusions:
         paths |= fused_int8_graphs(args.work / "int8" / "model.fp32.onnx", calibration, args.work)
     timings = {batch: time_graphs(paths, sequences(batch, args.seq, seed=batch), args.rounds, args.calls)

@@ -117,7 +117,8 @@ def plain_export(name: str, work: Path, image: int) -> Path:
 def time_graphs(paths: dict[str, Path], feeds: dict[str, np.ndarray], rounds: int, calls: int) -> dict[str, float]:
     """Median ms per call of each graph on ``feeds``: in each round every graph gets a fresh session,
     three warm-up calls and ``calls`` timed ones; the graph's time is the median of its rounds' medians.
-    An ``.onnx`` graph runs in ONNX Runtime, an ``.xml`` one (OpenVINO IR) in OpenVINO.
+    An ``.onnx`` graph runs in ONNX Runtime, an ``.xml`` one (OpenVINO IR) in OpenVINO, a bundle folder as
+    ``deploykit.load`` runs it on the CPU.
 
     One session exists at a time: ONNX Runtime's idle worker threads spin, and on this 2-core machine
     a second session's spinning takes the cores from the one being timed (measured: the int8 resnet18
@@ -148,7 +149,13 @@ def in_batches(feeds: dict[str, np.ndarray], size: int = 8) -> list[dict[str, np
 def open_graph(path: Path):
     """A function from feeds to the list of outputs: ONNX Runtime's CPU provider for ``.onnx``, OpenVINO's
     CPU plugin for its ``.xml`` IR, with its float ops in fp32 (on a CPU with AMX or AVX-512 bf16 its default
-    is bf16, which is not the fp32 being compared: its fp32 resnet50 drifted to cosine 0.995)."""
+    is bf16, which is not the fp32 being compared: its fp32 resnet50 drifted to cosine 0.995); a bundle folder
+    through ``deploykit.load`` on the CPU (its OpenVINO model, where it has one)."""
+    if path.is_dir():
+        import deploykit
+
+        runner = deploykit.load(path, device="cpu")
+        return lambda feeds: list(runner.run(feeds).values())
     if path.suffix == ".xml":
         import openvino as ov
 
@@ -210,8 +217,7 @@ def main() -> None:
     samples = np.random.default_rng(7).standard_normal((args.samples, 3, args.image, args.image), dtype=np.float32)
     np.savez(args.work / "calibration.npz", x=samples)
     fp32 = convert(model, args.work / "fp32")
-    int8 = convert(model, args.work / "int8", "--precision", "int8", "--calibration", str(args.work / "calibration.npz"),
-                   "--calibration-method", args.method, *(["--auto-fix"] if args.auto_fix else []))
+    int8 = convert(model, args.work / "int8", *int8_flags(args, args.work / "calibration.npz"))
     from deploykit.conversion.quantize import QUANTIZED_OPS
 
     plain = plain_export(args.model, args.work, args.image)
@@ -223,6 +229,7 @@ def main() -> None:
                                                             None)}
     if args.openvino:  # the int8 bundle's fp32 reference: standard ONNX ops only (no deploykit op)
         paths |= openvino_graphs(args.work / "int8" / "model.fp32.onnx", in_batches({"x": samples}), args.work)
+        paths[BUNDLE_OPENVINO] = args.work / "int8"
     timings = {batch: time_graphs(paths, {"x": np.random.default_rng(batch).standard_normal(
                    (batch, 3, args.image, args.image), dtype=np.float32)}, args.rounds, args.calls)
                for batch in map(int, args.batches.split(","))}
@@ -235,6 +242,16 @@ def main() -> None:
     write_results(args, timings, checked, fp32, int8)
 
 
+#: The int8 bundle's OpenVINO model, as ``deploykit.load`` runs it (``--openvino``).
+BUNDLE_OPENVINO = "int8 bundle, deploykit.load (OpenVINO, NNCF)"
+
+
+def int8_flags(args, calibration: Path) -> list[str]:
+    """``convert``'s int8 flags: the calibration, the method, ``--auto-fix`` and ``--backend openvino`` as asked."""
+    return ["--precision", "int8", "--calibration", str(calibration), "--calibration-method", args.method,
+            *(["--auto-fix"] if args.auto_fix else []), *(["--backend", "openvino"] if args.openvino else [])]
+
+
 def add_shared_arguments(parser, samples: int, check: int, rounds: int, calls: int, unit: str) -> None:
     """The options every int8 benchmark takes: batches, calibration and check sizes, rounds, method, output."""
     parser.add_argument("--batches", default="1,8")
@@ -245,7 +262,9 @@ def add_shared_arguments(parser, samples: int, check: int, rounds: int, calls: i
     parser.add_argument("--method", default="minmax", choices=["minmax", "entropy", "percentile"])
     parser.add_argument("--auto-fix", action="store_true", help="convert the int8 bundle with --auto-fix")
     parser.add_argument("--openvino", action="store_true",
-                        help="add OpenVINO on the fp32 ONNX and NNCF's int8 of it (pip install openvino nncf)")
+                        help="convert the int8 bundle with --backend openvino too and time deploykit.load of it (its "
+                             "OpenVINO model), beside OpenVINO on the fp32 ONNX and NNCF's int8 of it, as a user "
+                             "would make them (pip install 'deploykit[openvino]')")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
 
 
