@@ -80,7 +80,7 @@ def _results_folder(output: Path | None, bundle: Path) -> Path:
 @click.option("--only", metavar="KEY,KEY", help="Contenders to run: pytorch, torch-compile, reduce-overhead "
               "(torch.compile(mode='reduce-overhead')), pytorch-fp16, torch-compile-fp16, reduce-overhead-fp16 (and "
               "-bf16), ort-plain, ort-functions, ort-deploykit, ort-cuda-graph, baseline, baseline-cuda-graph, "
-              "tensorrt, aoti-static, aoti-dynamic, deploykit-load (default: all that can run).")
+              "tensorrt, aoti-static, aoti-dynamic, openvino, deploykit-load (default: all that can run).")
 @click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True, help="Untimed calls first.")
 @click.option("--iterations", type=click.IntRange(min=1), default=100, show_default=True, help="Timed calls.")
 @click.option("--max-seconds", type=click.FloatRange(min=0.1), default=20.0, show_default=True,

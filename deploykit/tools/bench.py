@@ -112,7 +112,7 @@ PYTORCH_PRECISION = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "int8": "fp
 PYTORCH_KEYS = ("pytorch", "torch-compile", "reduce-overhead")
 KEYS = (*PYTORCH_KEYS, *(f"{key}-{p}" for p in REDUCED for key in PYTORCH_KEYS),
         "ort-plain", "ort-functions", "ort-deploykit", "ort-cuda-graph", "baseline", "baseline-cuda-graph", "tensorrt",
-        "aoti-static", "aoti-dynamic", "deploykit-load")
+        "aoti-static", "aoti-dynamic", "openvino", "deploykit-load")
 #: torch.compile(mode="reduce-overhead"): CUDA graphs on a GPU; on the CPU it compiles but has none to replay.
 REDUCE_OVERHEAD = "reduce-overhead"
 
@@ -162,6 +162,7 @@ def contenders(bundle: runtime.Bundle, settings: Settings, source: SourceModel, 
     plans.append(("tensorrt", "TensorRT engine", lambda: _tensorrt(bundle, device, trust_native)))
     plans += [(f"aoti-{kind}", f"AOTInductor, {kind} package{'s' if kind == 'static' else ''}",
                functools.partial(_aoti, bundle, device, trust_native, kind)) for kind in ("static", "dynamic")]
+    plans.append(("openvino", "OpenVINO model", lambda: _openvino(bundle, device)))
     plans.append(("deploykit-load", "deploykit.load(bundle)", lambda: _default_load(bundle, device, trust_native)))
     if not bundle.op_library:  # without our ops the two deploykit-graph contenders are the same
         plans = [plan for plan in plans if plan[0] != "ort-functions"]
@@ -413,6 +414,22 @@ def _aoti(bundle: runtime.Bundle, device: str, trust_native: bool, kind: str):
             return _synchronized_step(runner, feeds, device) if candidate.accepts(batch) else None
 
         return prepare
+
+    return setup
+
+
+def _openvino(bundle: runtime.Bundle, device: str):
+    """The bundle's OpenVINO model (``--backend openvino``), on the CPU only."""
+    found = [c for c in find_candidates(bundle, device) if c.backend == "openvino"]
+    if not found:
+        return "the bundle has no OpenVINO model (convert with --backend openvino)"
+    if found[0].problem:
+        return found[0].problem
+
+    def setup(notes):
+        runner = open_runner(bundle, "openvino", found[0].options, device)
+        notes += runner.notes
+        return lambda feeds: _synchronized_step(runner, feeds, device)
 
     return setup
 

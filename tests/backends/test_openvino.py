@@ -231,3 +231,14 @@ def test_a_transformers_bert_converts_with_attention_fused(tmp_path, precision):
     feeds = {"input_ids": np.arange(48, dtype=np.int64).reshape(3, 16) % 1000, "attention_mask": np.ones((3, 16), np.int64)}
     runner = deploykit.load(tmp_path / "bundle", device="cpu")
     assert runner.backend == "openvino" and runner(feeds)["output"].shape == (3, 16, 64)
+
+
+def test_bench_times_it_beside_onnxruntime(int8, tmp_path):
+    folder, _, _ = int8
+    result = run_deploykit("bench", folder / "bundle", "--only", "ort-deploykit,openvino", "--device", "cpu",
+                           "--batch", "4", "--warmup", "1", "--iterations", "5", "--rounds", "1",
+                           "-o", tmp_path)
+    assert result.returncode == 0, result.stderr
+    contenders = {c["key"]: c for c in json.loads((tmp_path / "bench.json").read_text())["contenders"]}
+    assert contenders["openvino"]["status"] == "ok" and contenders["openvino"]["results"][0]["p50_ms"] > 0
+    assert contenders["ort-deploykit"]["status"] == "ok"
