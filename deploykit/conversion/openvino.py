@@ -10,6 +10,7 @@ model.onnx, so it runs wherever OpenVINO is not installed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import re
@@ -22,7 +23,7 @@ from deploykit.backends.openvino.loader import EXTRA, compile_model, import_open
 from deploykit.backends.openvino.runner import OpenVinoRunner
 from deploykit.conversion.options import ConvertOptions
 from deploykit.conversion.quantize import Calibration, quiet
-from deploykit.errors import BadInputError, EnvironmentProblem
+from deploykit.errors import BadInputError, DeployKitError, EnvironmentProblem, error_summary
 from deploykit.ops import custom_op_types
 
 #: What an OpenVINO model of a bundle computes in: fp32 as validated, or NNCF's int8.
@@ -87,25 +88,39 @@ class OpenVinoStage:
         folder = tempfile.TemporaryDirectory(prefix="deploykit-openvino-")
         work = Path(folder.name)
         onnx.save_model(source, work / "source.onnx")
-        model = ov.convert_model(work / "source.onnx")
         entry = {"file": FILE.format(precision=precision), "precision": precision, "openvino": installed_version(),
                  "inference_precision": "f32", "source": note}
-        if precision == "int8":
-            model = _quantized(model, calibration, kept_float)
-            entry |= {"nncf": importlib.metadata.version("nncf"), "kept_float": list(kept_float),
-                      "fake_quantize": sum(op.get_type_name() == "FakeQuantize" for op in model.get_ops())}
         xml = work / entry["file"]
-        ov.save_model(model, xml, compress_to_fp16=False)
+        with _refused_by_openvino(entry["openvino"]):
+            model = ov.convert_model(work / "source.onnx")
+            if precision == "int8":
+                model = _quantized(model, calibration, kept_float)
+                entry |= {"nncf": importlib.metadata.version("nncf"), "kept_float": list(kept_float),
+                          "fake_quantize": sum(op.get_type_name() == "FakeQuantize" for op in model.get_ops())}
+            ov.save_model(model, xml, compress_to_fp16=False)
+            compiled = compile_model(xml, xml.with_suffix(".bin"))
         entry["weights"] = xml.with_suffix(".bin").name
-        runner = OpenVinoRunner(compile_model(xml, xml.with_suffix(".bin")), inputs=io[0], outputs=io[1],
-                                label=entry["file"])
-        return cls(entry, folder, runner)
+        return cls(entry, folder, OpenVinoRunner(compiled, inputs=io[0], outputs=io[1], label=entry["file"]))
 
     def validated_entry(self, validations) -> dict:
         """The manifest's entry: validated when every batch it ran passed."""
         runs = next((v.runs for v in validations if v.label == self.label), [])
         self.entry["validated"] = bool(runs) and all(run.passed for run in runs)
         return self.entry
+
+
+@contextlib.contextmanager
+def _refused_by_openvino(version: str):
+    """OpenVINO or NNCF failing on a graph ONNX Runtime runs: a backend that cannot build the model (exit 3), not
+    a bug of ours nor bad input."""
+    try:
+        yield
+    except (DeployKitError, KeyboardInterrupt):
+        raise
+    except Exception as error:  # noqa: BLE001 - whatever the converter raises
+        reason = error_summary(error)[:300] if str(error).strip() else type(error).__name__
+        raise EnvironmentProblem(f"OpenVINO {version} cannot build this model ({reason}): convert without "
+                                 "--backend openvino (ONNX Runtime runs the bundle)") from error
 
 
 def _quantized(model, calibration: Calibration, kept_float: list[str]):

@@ -242,3 +242,24 @@ def test_bench_times_it_beside_onnxruntime(int8, tmp_path):
     contenders = {c["key"]: c for c in json.loads((tmp_path / "bench.json").read_text())["contenders"]}
     assert contenders["openvino"]["status"] == "ok" and contenders["openvino"]["results"][0]["p50_ms"] > 0
     assert contenders["ort-deploykit"]["status"] == "ok"
+
+
+def test_a_graph_openvino_cannot_convert_is_exit_3_naming_the_way_out(monkeypatch):
+    """OpenVINO refusing a graph ONNX Runtime runs is a backend that cannot build the model, not a bug of ours."""
+    import onnx
+    import openvino
+    from onnx import helper
+
+    from deploykit.conversion.openvino import OpenVinoStage
+    from deploykit.errors import EnvironmentProblem
+
+    def refuse(_path):
+        raise RuntimeError("Check 'unknown_operators.empty()' failed at frontend: OpenVINO does not support Foo")
+
+    monkeypatch.setattr(openvino, "convert_model", refuse)
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+    with pytest.raises(EnvironmentProblem, match="cannot build this model .*does not support Foo.*without --backend"):
+        OpenVinoStage.build(helper.make_model(graph), ([], []), "", "fp32", None)
+    assert EnvironmentProblem.exit_code == 3

@@ -398,3 +398,24 @@ def test_npz_rounding_to_a_narrower_float_only_where_noted(tmp_path):
     np.savez(tmp_path / "y.npz", x=np.array([1e6, 1.0], np.float32))
     with pytest.raises(BadInputError, match="1000000.0 becomes inf"):
         runtime.bundle_feeds(specs, tmp_path / "y.npz", rounding_notes=[])
+
+
+@pytest.mark.parametrize(("precision", "elem_type", "initializer_type"), [
+    ("fp32", 1, 1), ("int8", 1, 3), ("fp16", 10, 10), ("bf16", 16, 16), ("fp8", 1, 17), ("fp8", 10, 10)])
+def test_a_bundles_precision_skips_the_rewrites_its_graph_would(precision, elem_type, initializer_type):
+    """Which of ONNX Runtime's rewrites a bundle's session leaves out follows from its precision as from
+    reading its graph (a tensor typed fp16/bf16), so it is not read again; fp8's graph is read (fp16 for
+    AOTInductor, fp32 with float8 Q/DQ for TensorRT)."""
+    import onnx
+    from onnx import helper
+
+    from deploykit.backends.onnxruntime.loader import _broken_rewrites
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", elem_type, [1])],
+                              [helper.make_tensor_value_info("y", elem_type, [1])],
+                              [helper.make_tensor("w", initializer_type, [1], [0])])
+    model = helper.make_model(graph)
+    for cpu in (True, False):
+        assert _broken_rewrites(model, cpu, precision) == _broken_rewrites(onnx.ModelProto.FromString(
+            model.SerializeToString()), cpu)

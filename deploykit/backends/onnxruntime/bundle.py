@@ -45,11 +45,13 @@ def load_onnxruntime(bundle: Bundle, device: str = "cpu", device_id: int = 0, *,
         notes.append("op library not loaded: deploykit ops run as their ONNX functions")
     model_path = Path(model) if model else bundle.file(bundle.manifest.get("model", "model.onnx"), verify)
     settings = {"tf32": tf32, "prefer_nhwc": prefer_nhwc}
+    precision = None if model else bundle.precision  # another graph than the bundle's is read to learn it
     if device == "cuda":
         session, runs = _cuda_session(model_path, options, device_id, cuda_graph, stream, bundle.outputs, notes,
-                                      settings)
+                                      settings, precision)
     else:
-        session, runs = loader.create_session(model_path, options, loader.providers(device, device_id)), None
+        session, runs = loader.create_session(model_path, options, loader.providers(device, device_id),
+                                              precision=precision), None
     runner = OnnxRuntimeRunner(session, device, device_id, inputs=bundle.inputs, outputs=bundle.outputs,
                                model_path=model_path, library=library, notes=notes, bundle=bundle,
                                allow_unvalidated=allow_unvalidated, cuda_runs=runs)
@@ -62,7 +64,7 @@ def load_onnxruntime(bundle: Bundle, device: str = "cpu", device_id: int = 0, *,
 
 
 def _cuda_session(model_path: Path, options, device_id: int, cuda_graph: bool | None, stream: int | None,
-                  outputs: list[dict], notes: list[str], settings: dict):
+                  outputs: list[dict], notes: list[str], settings: dict, precision: str | None):
     """The session on the CUDA provider and its per-shape plans (None without torch: then ONNX
     Runtime synchronises each run). A graph that cannot be captured (nodes left on the CPU
     provider) runs without CUDA graphs, with a note, unless ``cuda_graph=True`` asked for them."""
@@ -72,12 +74,12 @@ def _cuda_session(model_path: Path, options, device_id: int, cuda_graph: bool | 
             raise BadInputError("cuda_graph=True needs torch with CUDA in this process (its streams and memory): "
                                 "install a CUDA build of torch, or leave cuda_graph unset")
         return loader.create_session(model_path, options, loader.providers("cuda", device_id, stream=stream,
-                                                                           **settings)), None
+                                                                           **settings), precision=precision), None
     own = torch.cuda.ExternalStream(stream) if stream is not None else torch.cuda.Stream(device_id)
 
     def session(graphs: bool):
         chosen = loader.providers("cuda", device_id, cuda_graph=graphs, stream=own.cuda_stream, **settings)
-        return loader.create_session(model_path, options, chosen)
+        return loader.create_session(model_path, options, chosen, precision=precision)
 
     graphs = cuda_graph is not False
     try:

@@ -107,16 +107,18 @@ def providers(device: str = "cpu", device_id: int = 0, *, tf32: bool = False, cu
     return [(CUDA_EP, cuda_options), *chosen]
 
 
-def create_session(model, options=None, chosen_providers: list | None = None, *, what: str = "the converted model"):
+def create_session(model, options=None, chosen_providers: list | None = None, *, what: str = "the converted model",
+                   precision: str | None = None):
     """An InferenceSession over a file (Path: external data works) or an in-memory model
     (ModelProto or bytes; ``what`` names it in errors). The CUDA provider must be the one that
-    started when it was asked for."""
+    started when it was asked for. ``precision``: the bundle's, where known (the graph is then not read
+    to find which of ONNX Runtime's rewrites to leave out)."""
     import onnx
     import onnxruntime as ort
 
     options = options or session_options()
     chosen_providers = chosen_providers or providers()
-    skipped = _broken_rewrites(model, cpu=_provider_name(chosen_providers[0]) == "CPUExecutionProvider")
+    skipped = _broken_rewrites(model, _provider_name(chosen_providers[0]) == "CPUExecutionProvider", precision)
     if isinstance(model, onnx.ModelProto):
         model = model.SerializeToString()
     try:
@@ -133,12 +135,15 @@ def create_session(model, options=None, chosen_providers: list | None = None, *,
     return session
 
 
-def _broken_rewrites(model, cpu: bool) -> list[str]:
+def _broken_rewrites(model, cpu: bool, precision: str | None = None) -> list[str]:
     """ONNX Runtime rewrites to leave out. On the CPU provider, ONNX Runtime 1.32's NCHWc layout rewrite
     crashed (segfault at session creation) on fp16 ViT graphs whose layer norms run in fp16; it re-lays
     fp32 Convs only, so a graph typed to fp16/bf16 loses little without it. On any provider, its
     Relu-into-QuantizeLinear rewrite drops a Relu before a float8 QuantizeLinear as if float8 could not
-    hold negative values (1.32: an fp8 MLP's cosine against PyTorch fell from 0.999 to 0.979)."""
+    hold negative values (1.32: an fp8 MLP's cosine against PyTorch fell from 0.999 to 0.979). A bundle's
+    ``precision`` says both without reading the graph, but fp8's (fp16 for AOTInductor, Q/DQ for TensorRT)."""
+    if precision in ("fp32", "int8", "fp16", "bf16"):
+        return ["NchwcTransformer"] if cpu and precision in ("fp16", "bf16") else []
     import onnx
 
     if not isinstance(model, onnx.ModelProto):
