@@ -20,6 +20,7 @@ from pathlib import Path
 
 from deploykit import runtime
 from deploykit.backends.onnxruntime import loader, wheels
+from deploykit.backends.openvino.loader import EXTRA as OPENVINO_EXTRA
 from deploykit.bundle import trust
 from deploykit.bundle.read import FileProblem
 from deploykit.errors import DeployKitError
@@ -50,6 +51,7 @@ class Environment:
     tensorrt: dict = dataclasses.field(default_factory=dict)  # flavour -> version, or "error: why"
     rtx_targets: tuple[str, ...] | None = None
     cuda_python: str | None = None
+    openvino: dict = dataclasses.field(default_factory=dict)  # distribution -> version: openvino, nncf
     libraries: dict = dataclasses.field(default_factory=dict)  # library -> "ok" or why it fails to load
     native: list = dataclasses.field(default_factory=list)  # the bundle's native files (trust.NativeFile)
     substitutes: dict = dataclasses.field(default_factory=dict)  # bundle file -> this machine's build used for it
@@ -64,6 +66,7 @@ def gather(bundle: runtime.Bundle | None = None, trust_native: bool = False) -> 
     env = Environment(gpus=local_gpus(), torch=_torch_facts(), nvcc=_nvcc_version(),
                       onnxruntime=_ort_facts(), cuda_python=_distribution("cuda-bindings", "cuda-python"))
     env.driver, env.driver_cuda = _driver_facts()
+    env.openvino = {name: version for name in ("openvino", "nncf") if (version := _distribution(name))}
     for flavour in ("tensorrt", "tensorrt-rtx"):
         version, targets = runtime.installed_tensorrt(flavour)
         if version:
@@ -304,6 +307,15 @@ def check_cuda_python(env: Environment) -> list[Check]:
                   "pip install cuda-python")]
 
 
+def check_openvino(env: Environment) -> list[Check]:
+    if "openvino" not in env.openvino:
+        return [Check("OpenVINO", "skip", "not installed: convert --backend openvino is refused, and bundles' "
+                      "OpenVINO models run in ONNX Runtime instead", f"pip install '{OPENVINO_EXTRA}'")]
+    made = f", NNCF {env.openvino['nncf']}" if "nncf" in env.openvino else ": no NNCF, so no int8 models"
+    return [Check("OpenVINO", "ok" if "nncf" in env.openvino else "warn", f"OpenVINO {env.openvino['openvino']}{made}",
+                  "" if "nncf" in env.openvino else f"pip install '{OPENVINO_EXTRA}'")]
+
+
 def check_libraries(env: Environment) -> list[Check]:
     if not env.libraries:
         return [Check("deploykit libraries", "skip", "no build in the cache yet (deploykit convert builds them)")]
@@ -323,6 +335,15 @@ def check_bundle(bundle: runtime.Bundle, env: Environment, trust_native: bool = 
         checks.append(Check("bundle versions", "warn", f"validated with onnxruntime {recorded}, this machine has "
                             f"{env.onnxruntime['version']}: outputs may differ slightly",
                             f"pip install onnxruntime=={recorded}, or re-run deploykit convert here"))
+    for entry in bundle.openvino:
+        running = env.openvino.get("openvino")
+        if running is None:
+            checks.append(Check("bundle OpenVINO model", "warn", f"{entry['file']} is not used: OpenVINO is not "
+                                "installed (ONNX Runtime runs the bundle)", f"pip install '{OPENVINO_EXTRA}'"))
+        elif running != entry.get("openvino"):
+            checks.append(Check("bundle OpenVINO model", "warn", f"{entry['file']} was validated with OpenVINO "
+                                f"{entry.get('openvino')}, this machine has {running}: outputs may differ slightly",
+                                f"pip install openvino=={entry.get('openvino')}, or re-run deploykit convert here"))
     for entry in bundle.engines:
         installed = (env.tensorrt.get(entry["flavour"]), env.rtx_targets if entry["flavour"] == "tensorrt-rtx" else None)
         problem = runtime.engine_problem(entry, installed, env.gpus)
@@ -379,7 +400,8 @@ def _check_files(bundle: runtime.Bundle) -> Check:
     return Check("bundle files", "ok", f"{len(bundle.manifest.get('files', {}))} files match manifest.json")
 
 
-CHECKS = (check_gpu, check_torch, check_nvcc, check_onnxruntime, check_tensorrt, check_cuda_python, check_libraries)
+CHECKS = (check_gpu, check_torch, check_nvcc, check_onnxruntime, check_tensorrt, check_cuda_python, check_openvino,
+          check_libraries)
 
 
 def diagnose(bundle_path: Path | None = None, env: Environment | None = None,

@@ -263,3 +263,18 @@ def test_a_graph_openvino_cannot_convert_is_exit_3_naming_the_way_out(monkeypatc
     with pytest.raises(EnvironmentProblem, match="cannot build this model .*does not support Foo.*without --backend"):
         OpenVinoStage.build(helper.make_model(graph), ([], []), "", "fp32", None)
     assert EnvironmentProblem.exit_code == 3
+
+
+def test_doctor_says_when_the_model_will_not_be_used_or_runs_another_openvino(int8):
+    from deploykit.tools import doctor
+
+    folder, _, _ = int8
+    bundle = open_bundle(folder / "bundle")
+    env = doctor.gather(bundle)
+    assert not [c for c in doctor.check_bundle(bundle, env) if c.area == "bundle OpenVINO model"]
+    env.openvino = {}
+    (missing,) = [c for c in doctor.check_bundle(bundle, env) if c.area == "bundle OpenVINO model"]
+    assert missing.status == "warn" and "is not used" in missing.detail and "deploykit[openvino]" in missing.fix
+    env.openvino = {"openvino": "2099.1.0"}
+    (other,) = [c for c in doctor.check_bundle(bundle, env) if c.area == "bundle OpenVINO model"]
+    assert "this machine has 2099.1.0" in other.detail and other.fix.startswith("pip install openvino==")

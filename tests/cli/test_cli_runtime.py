@@ -505,3 +505,14 @@ def test_unknown_only_key_is_a_usage_error(tabular, command):
     result = cli(command, tabular, "--only", "pytorch,nonsense")
     assert result.returncode == 2, result.stderr
     assert "unknown nonsense; choose from" in result.stderr and "internal error" not in result.stderr
+
+
+@pytest.mark.parametrize(("installed", "status", "words"), [
+    ({"openvino": "2026.4.1", "nncf": "3.4.0"}, "ok", "OpenVINO 2026.4.1, NNCF 3.4.0"),
+    ({"openvino": "2026.4.1"}, "warn", "no NNCF, so no int8 models"),
+    ({}, "skip", "bundles' OpenVINO models run in ONNX Runtime instead"),
+])
+def test_doctor_says_what_openvino_can_do_here(installed, status, words):
+    (check,) = doctor.check_openvino(fake_env(openvino=installed))
+    assert check.status == status and words in check.detail
+    assert (check.fix == "pip install 'deploykit[openvino]'") is (status != "ok")
