@@ -34,9 +34,10 @@ class AutoRunner : public Runner {
     }
     for (const auto& choice : tuning.choices) {
       Route route{choice.batch, nullptr, "onnxruntime"};
+      const std::string batch = "; batch " + std::to_string(choice.batch) + ": the tuned " + choice.backend;
       if (choice.backend == "aoti") route = aoti_route(bundle, options, tuning.device, choice);
-      else if (choice.backend != "onnxruntime") notes_ += "; batch " + std::to_string(choice.batch) + ": the tuned " +
-                                                          choice.backend + " runs with --backend " + choice.backend + " only";
+      else if (choice.backend == "openvino") notes_ += batch + " runs in Python's deploykit.load only (no OpenVINO here)";
+      else if (choice.backend != "onnxruntime") notes_ += batch + " runs with --backend " + choice.backend + " only";
       routes_.push_back(route);
     }
   }

@@ -31,7 +31,7 @@ def load_openvino(bundle: Bundle, entry: dict | None = None, *, verify: bool = T
     runner = OpenVinoRunner(compiled, inputs=bundle.inputs, outputs=bundle.outputs, label=entry["file"], notes=notes,
                             bundle=bundle, allow_unvalidated=allow_unvalidated)
     if not entry.get("validated"):
-        runner.warn(f"{entry['file']} was not validated against PyTorch at conversion time")
+        runner.warn(f"{entry['file']} did not pass validation against PyTorch at conversion time")
     running = installed_version()
     if entry.get("openvino") and entry["openvino"] != running:
         runner.warn(f"{entry['file']} was validated with OpenVINO {entry['openvino']}, running {running}: "
