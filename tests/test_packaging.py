@@ -47,8 +47,9 @@ def test_the_gpu_extra_brings_cuda_python():
     assert "cuda-python" not in resolved("cpu")
 
 
-def test_the_test_extra_is_the_dev_tools_with_the_cpu_wheel():
-    assert resolved("test") == resolved("cpu", "dev") and "pytest" in resolved("dev")
+def test_the_test_extra_is_the_dev_tools_with_the_cpu_wheel_and_openvino():
+    assert resolved("test") == resolved("cpu", "dev", "openvino") and "pytest" in resolved("dev")
+    assert {"openvino", "nncf"} <= resolved("openvino") and not {"onnxruntime", "onnxruntime-gpu"} & resolved("openvino")
 
 
 def test_a_source_checkout_without_package_metadata_names_its_version(monkeypatch):
