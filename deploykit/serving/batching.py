@@ -8,8 +8,7 @@ longer than ``max_delay`` without progress:
   at once, as Triton's preferred batch sizes do): up to ``max_delay`` after the oldest request arrived
   or the worker came free, whichever is later;
 - while clients it has answered have not sent their next request on the same connection: up to
-  ``max_delay`` after the latest of them came back (or was answered). Behind ``--workers N`` the model
-  process learns a request's connection with the request itself (it sees none on its way). Closed-loop clients (a fixed
+  ``max_delay`` after the latest of them came back (or was answered). Closed-loop clients (a fixed
   number of callers, each sending as soon as it has its answer) come back within a millisecond or
   two; without waiting for them, N such clients settle into two alternating half batches, each
   computing on cores that the other half's parsing contends for, and a straggler that just missed a
@@ -82,7 +81,6 @@ class Batcher:
                 raise RequestError(503, f"{self.model.name}'s queue is full ({self.max_queue} requests waiting): "
                                         "retry later", "queue_full", {"Retry-After": "1"})
             self._queue.append(Pending(inputs, rows, future, time.perf_counter(), connection))
-            self._back(connection)  # behind --workers, the request is the first the model process sees of it
             self._rows += rows
             self._queue_changed()
             self._ready.notify()
@@ -94,19 +92,15 @@ class Batcher:
         any is, a worker with room in its batch waits (up to max_delay) for it."""
         with self._ready:
             self._arriving += 1
-            self._back(connection)
+            if connection in self._answered:
+                self._answered.discard(connection)
+                self._progress = time.perf_counter()
         try:
             yield
         finally:
             with self._ready:
                 self._arriving -= 1
                 self._ready.notify_all()
-
-    def _back(self, connection) -> None:
-        """An answered client's next request has come: progress, and one fewer to wait for (lock held)."""
-        if connection in self._answered:
-            self._answered.discard(connection)
-            self._progress = time.perf_counter()
 
     def close(self) -> None:
         """Refuse new requests, let the workers finish every queued one, and wait for them."""

@@ -180,16 +180,14 @@ class HostLink:
         """The app's batcher of ``model`` (``create_app``'s ``batcher_for``)."""
         return RemoteBatcher(self, model.name)
 
-    def submit(self, model: str, inputs: dict[str, np.ndarray], rows: int, client=None) -> Future:
-        """``client``: the client's connection (ASGI's address), for the model process's batcher to wait
-        for the clients it has just answered."""
+    def submit(self, model: str, inputs: dict[str, np.ndarray], rows: int) -> Future:
         future: Future = Future()
         buffer, tensors = self.buffers.put(inputs)
         request = next(self._ids)
         with self._send_lock:
             if self._gone is None:
                 self._pending[request] = (future, buffer)
-                self.connection.send(("infer", request, model, tensors, rows, client))
+                self.connection.send(("infer", request, model, tensors, rows))
                 return future
         self.buffers.release(buffer)
         raise RequestError(503, self._gone, "model_process", {"Retry-After": "1"})
@@ -229,12 +227,11 @@ class RemoteBatcher:
         self.link, self.name = link, name
 
     def submit(self, inputs: dict[str, np.ndarray], rows: int, connection=None) -> Future:
-        return self.link.submit(self.name, inputs, rows, connection)
+        return self.link.submit(self.name, inputs, rows)
 
     def arriving(self, connection=None):
-        """The model process does not see requests still being read: it waits while its rows would be
-        padded, and for the connections it has answered, which it learns from the requests themselves
-        (``Batcher.submit``)."""
+        """The model process does not see requests still being read, nor which connection a request
+        came on: it waits only while its rows would be padded (``Batcher._take``)."""
         return contextlib.nullcontext()
 
     def wait_warm(self) -> None:
@@ -351,10 +348,10 @@ def serve_workers(connections: list, batchers: dict, outbox: Outbox) -> None:
             if message[0] == "forget":
                 mapped.pop(message[1], None)  # unmapped once the last array viewing it is gone
                 continue
-            _, request, name, tensors, rows, client = message
+            _, request, name, tensors, rows = message
             arrays, buffer = _arrays(tensors, mapped)
             try:
-                future = batchers[name].submit(arrays, rows, client)
+                future = batchers[name].submit(arrays, rows)
             except RequestError as error:
                 outbox.put(connection, request, error, None)
                 continue

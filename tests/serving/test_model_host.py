@@ -7,8 +7,6 @@ staging a GPU runner's batches are assembled in.
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import errno
 import logging
 import multiprocessing
@@ -58,30 +56,21 @@ class Doubler:
 @pytest.fixture
 def host(tmp_path):
     """A model process's side (a batcher over Doubler, answering on a thread) and a worker's link to it."""
-    with hosted(tmp_path) as parts:
-        yield parts
-
-
-@contextlib.contextmanager
-def hosted(tmp_path, max_delay_s: float = 0):
-    """``host``'s parts, its batcher waiting up to ``max_delay_s`` for more rows."""
     runner = Doubler()
     model = ServedModel("double", Path("double"), [runner], ["cpu"], max_batch=8, buckets=[], allow_nan=False)
-    batcher = Batcher(model, max_delay_s=max_delay_s, max_queue=4, metrics=Metrics())
+    batcher = Batcher(model, max_delay_s=0, max_queue=4, metrics=Metrics())
     ours, theirs = multiprocessing.Pipe()
     outbox = Outbox()
     answering = threading.Thread(target=serve_workers, args=([ours], {"double": batcher}, outbox), daemon=True)
     answering.start()
     link = HostLink(theirs, tmp_path, "w0")
-    try:
-        yield link, runner, ours
-    finally:
-        link.close()
-        _hang_up(theirs)
-        answering.join(10)
-        batcher.close()
-        outbox.close()
-        ours.close()
+    yield link, runner, ours
+    link.close()
+    _hang_up(theirs)
+    answering.join(10)
+    batcher.close()
+    outbox.close()
+    ours.close()
 
 
 def _hang_up(connection) -> None:
@@ -106,22 +95,6 @@ def test_requests_travel_through_shared_memory_and_come_back_exactly(host, tmp_p
         np.testing.assert_array_equal(answer["ids2"], inputs["ids"] * 2)
     assert sum(runner.batches) == sum(len(inputs["x"]) for inputs in sent)
     assert len(list(tmp_path.iterdir())) == 1  # one at a time: one buffer, reused
-
-
-def test_the_model_process_waits_for_the_clients_it_has_just_answered(tmp_path):
-    """Behind --workers the model process sees no request on its way, only requests: the client connection
-    each came on travels with it, so a batch holding B's request waits for A, answered just before, and A's
-    next request joins it, as in one process (test_batching's closed-loop test)."""
-    with hosted(tmp_path, max_delay_s=30) as (link, runner, _):
-        first, second = ("10.0.0.1", 50001), ("10.0.0.2", 50002)
-        link.submit("double", request(1, 0), 1, first).result(timeout=10)  # nothing to wait for: runs at once
-        waiting = link.submit("double", request(1, 1), 1, second)
-        with pytest.raises(concurrent.futures.TimeoutError):
-            waiting.result(timeout=0.3)
-        joined = link.submit("double", request(1, 2), 1, first)
-        np.testing.assert_array_equal(waiting.result(timeout=10)["y"], request(1, 1)["x"] * 2)
-        np.testing.assert_array_equal(joined.result(timeout=10)["y"], request(1, 2)["x"] * 2)
-        assert runner.batches == [1, 2]
 
 
 def test_large_answers_come_back_exactly_through_the_requests_buffer(host):
