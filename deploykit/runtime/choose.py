@@ -42,8 +42,8 @@ def ort_has_cuda() -> bool:
 
 def choose_backend(bundle: Bundle, backend: str, device: str, trust_native: bool = False) -> tuple[str, str, list[str]]:
     """(backend, device, notes): an engine on the GPU when it can run here (and its plugins may: with
-    ``backend="auto"`` a foreign engine with plugins gives way to ONNX Runtime), else ONNX Runtime.
-    ``backend="aoti"`` keeps ``device`` as asked: its loader picks the package for the GPU it runs on."""
+    ``backend="auto"`` a foreign engine with plugins gives way to ONNX Runtime), else on a CPU the bundle's
+    OpenVINO model where OpenVINO imports, else ONNX Runtime. ``backend="aoti"`` keeps ``device`` as asked: its loader picks the package for the GPU it runs on."""
     if backend not in BACKENDS:
         raise BadInputError(f"backend {backend!r}: use one of {', '.join(BACKENDS)}")
     notes: list[str] = []
@@ -73,15 +73,15 @@ def choose_backend(bundle: Bundle, backend: str, device: str, trust_native: bool
         raise BadInputError("TensorRT runs on the GPU only: use device='cuda' (or backend='onnxruntime')")
     if device == "auto":
         device = "cuda" if ort_has_cuda() and has_gpu() else "cpu"
-    if backend == "auto" and device == "cpu" and bundle.openvino:
-        if openvino.available():
-            return "openvino", "cpu", notes
-        notes.append(f"OpenVINO model not used: OpenVINO is not installed ({openvino.INSTALL})")
     elif device == "cuda" and not ort_has_cuda():
         import onnxruntime as ort
 
         raise EnvironmentProblem(f"onnxruntime {ort.__version__} has no {CUDA_EP}: pip uninstall onnxruntime && "
                                  "pip install onnxruntime-gpu (or use device='cpu')")
+    if backend == "auto" and device == "cpu" and bundle.openvino:
+        if openvino.available():
+            return "openvino", "cpu", notes
+        notes.append(f"OpenVINO model not used: OpenVINO is not installed ({openvino.INSTALL})")
     return "onnxruntime", device, notes
 
 
@@ -98,7 +98,8 @@ def load(bundle: str | Path | Bundle, backend: str = "auto", device: str = "auto
     ``backend``: auto (the fastest validated choice per batch size where the bundle was tuned on a
     machine like this one, docs/tuning.md; else the engine where this GPU runs it, else on a CPU the
     bundle's OpenVINO model where OpenVINO is installed, else ONNX Runtime), onnxruntime, tensorrt,
-    openvino or aoti (the bundle's AOTInductor packages: cuda ones on a GPU, else cpu ones). ``device``: auto, cpu, cuda or cuda:N. Files are checked against the manifest's
+    openvino or aoti (the bundle's AOTInductor packages: cuda ones on a GPU, else cpu ones).
+    ``device``: auto, cpu, cuda or cuda:N. Files are checked against the manifest's
     sha256 (``verify=False`` skips it). Native code from the bundle (its op library, an engine's
     plugins) runs only when this machine's deploykit made it, or with ``trust_native=True``
     (else a foreign op library is swapped for this machine's build, or refused). A bundle that
@@ -107,9 +108,8 @@ def load(bundle: str | Path | Bundle, backend: str = "auto", device: str = "auto
     then runs it and says so in ``runner.notes``; an engine runs only the batches it was built
     for). ``options`` go to the runner (ONNX Runtime:
     threads, spin, cuda_graph, stream, tf32, profile_prefix; AOTInductor: cuda_graph, packages; OpenVINO:
-    threads). Why a
-    backend was chosen and what differs from the conversion machine are in ``runner.notes``; the latter
-    are also issued as warnings.
+    threads). Why a backend was chosen and what differs from the conversion machine are in
+    ``runner.notes``; the latter are also issued as warnings.
     """
     opened = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
     check_validation(opened, allow_failed)
