@@ -278,3 +278,22 @@ def test_doctor_says_when_the_model_will_not_be_used_or_runs_another_openvino(in
     env.openvino = {"openvino": "2099.1.0"}
     (other,) = [c for c in doctor.check_bundle(bundle, env) if c.area == "bundle OpenVINO model"]
     assert "this machine has 2099.1.0" in other.detail and other.fix.startswith("pip install openvino==")
+
+
+def test_serve_answers_from_the_openvino_model(int8):
+    """deploykit serve on the CPU: load's auto choice is the OpenVINO model (serve's ONNX Runtime hint `spin`
+    does not get in its way), and tritonclient's answer is what the same runner gives in this process."""
+    tritonhttp = pytest.importorskip("tritonclient.http")
+    pytest.importorskip("fastapi")
+    from serving import running_server
+
+    folder, _, _ = int8
+    x = np.random.default_rng(11).standard_normal((2, *IMAGE), dtype=np.float32)
+    expected = deploykit.load(folder / "bundle", "openvino")(x=x)["output"]
+    with running_server(folder / "bundle", "--device", "cpu") as server:
+        with tritonhttp.InferenceServerClient(server.url) as client:
+            tensor = tritonhttp.InferInput("x", list(x.shape), "FP32")
+            tensor.set_data_from_numpy(x)
+            answer = client.infer("bundle", [tensor]).as_numpy("output")
+        assert "openvino" in server.output()
+    np.testing.assert_allclose(answer, expected, rtol=1e-5, atol=1e-6)
