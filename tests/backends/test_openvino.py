@@ -69,6 +69,8 @@ def test_the_openvino_model_is_validated_and_shipped(int8):
     candidate = next(c for c in report["validation"]["candidates"] if c["label"] == INT8_LABEL)
     assert candidate["passed"] and candidate["backend"] == "openvino-cpu"
     assert report["openvino"]["validated"]
+    page = (folder / "bundle" / "report.html").read_text()
+    assert "<h2>OpenVINO model</h2>" in page and f"NNCF {entry['nncf']}" in page and "<strong>validated</strong>" in page
     assert manifest["model"] == "model.onnx"  # ONNX Runtime's int8 graph still ships
 
 
