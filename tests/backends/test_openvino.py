@@ -230,6 +230,7 @@ def test_a_transformers_bert_converts_with_attention_fused(tmp_path, precision):
     label = INT8_LABEL if precision == "int8" else "OpenVINO model fp32"
     assert next(c for c in report["validation"]["candidates"] if c["label"] == label)["passed"]
     assert report["openvino"]["source"] == "the fp32 graph the ONNX graph was made from"
+    assert "<h2>OpenVINO model</h2>" in (tmp_path / "bundle" / "report.html").read_text()
     feeds = {"input_ids": np.arange(48, dtype=np.int64).reshape(3, 16) % 1000, "attention_mask": np.ones((3, 16), np.int64)}
     runner = deploykit.load(tmp_path / "bundle", device="cpu")
     assert runner.backend == "openvino" and runner(feeds)["output"].shape == (3, 16, 64)
@@ -299,3 +300,19 @@ def test_serve_answers_from_the_openvino_model(int8):
             answer = client.infer("bundle", [tensor]).as_numpy("output")
         assert "openvino" in server.output()
     np.testing.assert_allclose(answer, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_each_output_comes_back_by_name(tmp_path):
+    """tabular's two outputs (4 classes, 16 features): OpenVINO's output ports are matched to the manifest's
+    outputs by name, whatever order it keeps them in."""
+    torch.manual_seed(0)
+    torch.save(model_zoo.tabular().state_dict(), tmp_path / "weights.pt")
+    result = convert(tmp_path, "weights.pt", "--factory", "model_zoo:tabular", "--input", "features:1x13",
+                     "--batch", "1:4:8", "--backend", "openvino", "-o", "bundle")
+    assert result.returncode == 0, result.stderr
+    features = np.random.default_rng(3).standard_normal((5, 13), dtype=np.float32)
+    ours = deploykit.load(tmp_path / "bundle", "openvino")(features=features)
+    reference = deploykit.load(tmp_path / "bundle", "onnxruntime", "cpu")(features=features)
+    assert list(ours) == ["output_0", "output_1"]
+    for name, value in reference.items():
+        np.testing.assert_allclose(ours[name], value, rtol=1e-5, atol=1e-6)
