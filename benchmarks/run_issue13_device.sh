@@ -6,7 +6,8 @@
 # torch.compile(mode="reduce-overhead") in the bundle's precision.
 #   OUT=/tmp/results STEPS="convert tune bench" bash benchmarks/run_issue13_device.sh [MODEL...]
 # (default: all three models, steps convert tune bench; PRECISIONS="fp16" for one precision; PRECISIONS="fp8"
-# converts with --calibration samples disjoint from the validation inputs, and is timed against PyTorch fp16). Conversions are
+# converts with --calibration samples disjoint from the validation inputs, and is timed against PyTorch fp16; so is
+# PRECISIONS="int8": ONNX Runtime's Q/DQ graph, no AOTInductor packages, run by ONNX Runtime's CUDA EP). Conversions are
 # CPU-bound and run side by side; tuning and timing run one at a time so that nothing else shares the GPU while it
 # is timed. Steps can go in separate 10-minute device calls: bundles stay in $WORK while the machine is warm.
 # Two more steps: "profile" (benchmarks/profile_runner_call.py on each bundle at batch 1: the ONNX Runtime runner's
@@ -47,10 +48,11 @@ batches = [torch.randn(8, 3, 224, 224, generator=images) for _ in range(4)]
 torch.save(calibrate_batch_norm(torchvision.models.resnet50(), batches, seed=4).state_dict(), f"{sys.argv[1]}/resnet50.pt")
 torch.save(model_zoo.vit_b_16().state_dict(), f"{sys.argv[1]}/vit_b_16.pt")
 torch.save(model_zoo.bert_base().state_dict(), f"{sys.argv[1]}/bert_base.pt")
-# fp8's calibration samples: drawn as the validation inputs are (random_feeds: integers 0..7), other seeds
+# fp8's and int8's calibration samples: drawn as the validation inputs are (random_feeds: integers 0..7), other seeds
 import numpy as np
 rng = np.random.default_rng(2026)
 np.savez(f"{sys.argv[1]}/vit_b_16-calibration.npz", x=rng.standard_normal((64, 3, 224, 224), dtype=np.float32))
+np.savez(f"{sys.argv[1]}/resnet50-calibration.npz", x=rng.standard_normal((64, 3, 224, 224), dtype=np.float32))
 np.savez(f"{sys.argv[1]}/bert_base-calibration.npz", input_ids=rng.integers(0, 8, (64, 128)),
          attention_mask=rng.integers(0, 8, (64, 128)))
 PY
@@ -62,10 +64,12 @@ convert() {  # model precision
   # resnet50 fp16: atol as in run_bundles_device.sh; random weights leave near-ties between the top two
   # logits, so one flipped image in 32 (2026-12-01: the AOTInductor package at batch 32) is allowed.
   local extra=(); [ "$1" = resnet50 ] && [ "$2" = fp16 ] && extra=(--tolerance atol=0.1,min_top1=0.96)
-  [ "$2" = fp8 ] && extra=(--calibration "$work/$1-calibration.npz")
+  local route=("${backend[@]}")
+  [ "$2" = fp8 ] || [ "$2" = int8 ] && extra+=(--calibration "$work/$1-calibration.npz")
+  [ "$2" = int8 ] && route=(--backend onnxruntime)  # int8 has no AOTInductor route
   # shellcheck disable=SC2086
   python3 -m deploykit convert "$work/$1.pt" --factory "${factory[$1]}" ${inputs[$1]} --batch 1:1:32 \
-    --precision "$2" "${extra[@]}" "${backend[@]}" -o "$work/$1-$2" --force \
+    --precision "$2" "${extra[@]}" "${route[@]}" -o "$work/$1-$2" --force \
     > "$OUT/convert-$1-$2.log" 2>&1
   echo "convert $1 $2: exit $?"
 }
@@ -106,8 +110,10 @@ fi
 if has_step bench; then
 for model in $models; do
   for precision in $precisions; do  # eager and reduce-overhead in the bundle's precision only
-    keys=ort-deploykit,ort-cuda-graph,aoti-static,deploykit-load
-    torch_precision=${precision/fp8/fp16}  # fp8 is measured against PyTorch fp16
+    keys=ort-deploykit,ort-cuda-graph,deploykit-load
+    [ "$precision" = int8 ] || keys="$keys,aoti-static"
+    torch_precision=fp16  # fp8 and int8 are measured against PyTorch fp16
+    [ "$precision" = fp32 ] && torch_precision=fp32
     if [ "$precision" = fp32 ]; then keys="$keys,pytorch,reduce-overhead"
     else keys="$keys,pytorch-$torch_precision,reduce-overhead-$torch_precision"; fi
     python3 -m deploykit bench "$work/$model-$precision" --model "$work/$model.pt" --factory "${factory[$model]}" \
@@ -119,6 +125,6 @@ done
 python3 "$root/benchmarks/summarize_issue13.py" "$OUT" > "$OUT/summary.md"
 cat "$OUT/summary.md"
 mkdir -p "$OUT/manifests"
-for bundle in "$work"/*-fp*; do cp "$bundle/manifest.json" "$OUT/manifests/$(basename "$bundle").json"; done
+for bundle in "$work"/*-fp* "$work"/*-int8; do [ -d "$bundle" ] || continue; cp "$bundle/manifest.json" "$OUT/manifests/$(basename "$bundle").json"; done
 fi
-(cd "$OUT" && tar czf results.tgz --remove-files --ignore-failed-read ./*-fp*/ manifests serve profile ./*.log 2>/dev/null)
+(cd "$OUT" && tar czf results.tgz --remove-files --ignore-failed-read ./*-fp*/ ./*-int8/ manifests serve profile ./*.log 2>/dev/null)
