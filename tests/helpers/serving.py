@@ -27,6 +27,19 @@ def running_server(*args, startup_s: float = 60):
         path.unlink(missing_ok=True)
 
 
+def infer_features(url: str, model: str, features) -> dict:
+    """One tritonclient HTTP request of ``features`` (the tabular models' input) on a client of its own, so
+    that threads can call it at once (a client's gevent pool is tied to the thread that made it, and its
+    ``async_infer`` on one thread does not keep several requests in flight reliably); the outputs by name."""
+    import tritonclient.http as tritonhttp
+
+    with tritonhttp.InferenceServerClient(url) as client:
+        tensor = tritonhttp.InferInput("features", list(features.shape), "FP32")
+        tensor.set_data_from_numpy(features)
+        result = client.infer(model, [tensor])
+        return {output["name"]: result.as_numpy(output["name"]) for output in result.get_response()["outputs"]}
+
+
 def post(server: Server, path: str, body: bytes, headers: dict | None = None) -> tuple[int, object, bytes]:
     """(status, headers (case-insensitive), body) of a raw POST: what a client that is not tritonclient sees."""
     request = urllib.request.Request(f"http://{server.url}{path}", data=body, headers=headers or {}, method="POST")

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
-tritonhttp = pytest.importorskip("tritonclient.http")
+pytest.importorskip("tritonclient.http")
 
 import converted_bundles  # noqa: E402
 from deploykit_cli import cli_env  # noqa: E402
-from serving import metric_samples, running_server  # noqa: E402
+from serving import infer_features, metric_samples, running_server  # noqa: E402
 
 import deploykit  # noqa: E402
 
@@ -35,10 +35,7 @@ def bundle():
 
 
 def infer(url: str, features: np.ndarray) -> np.ndarray:
-    with tritonhttp.InferenceServerClient(url) as client:
-        tensor = tritonhttp.InferInput("features", list(features.shape), "FP32")
-        tensor.set_data_from_numpy(features)
-        return client.infer(MODEL, [tensor]).as_numpy("output_1")
+    return infer_features(url, MODEL, features)["output_1"]
 
 
 def all_started(server, timeout_s: float = 60) -> str:
