@@ -6,8 +6,9 @@
 # torch.compile(mode="reduce-overhead") in the bundle's precision.
 #   OUT=/tmp/results STEPS="convert tune bench" bash benchmarks/run_issue13_device.sh [MODEL...]
 # (default: all three models, steps convert tune bench; PRECISIONS="fp16" for one precision; PRECISIONS="fp8"
-# converts with --calibration samples disjoint from the validation inputs, and is timed against PyTorch fp16; so is
-# PRECISIONS="int8": ONNX Runtime's Q/DQ graph, no AOTInductor packages, run by ONNX Runtime's CUDA EP). Conversions are
+# converts with --calibration samples disjoint from the validation inputs, and is timed against PyTorch fp16;
+# PRECISIONS="int8" too, with ONNX Runtime's Q/DQ graph, no AOTInductor packages, run by ONNX Runtime's CUDA EP,
+# timed against PyTorch fp32: compare it with the fp16 bundle's timings). Conversions are
 # CPU-bound and run side by side; tuning and timing run one at a time so that nothing else shares the GPU while it
 # is timed. Steps can go in separate 10-minute device calls: bundles stay in $WORK while the machine is warm.
 # Two more steps: "profile" (benchmarks/profile_runner_call.py on each bundle at batch 1: the ONNX Runtime runner's
@@ -112,8 +113,8 @@ for model in $models; do
   for precision in $precisions; do  # eager and reduce-overhead in the bundle's precision only
     keys=ort-deploykit,ort-cuda-graph,deploykit-load
     [ "$precision" = int8 ] || keys="$keys,aoti-static"
-    torch_precision=fp16  # fp8 and int8 are measured against PyTorch fp16
-    [ "$precision" = fp32 ] && torch_precision=fp32
+    torch_precision=${precision/fp8/fp16}  # fp8 is measured against PyTorch fp16
+    [ "$precision" = int8 ] && torch_precision=fp32  # bench offers an int8 bundle PyTorch fp32 only
     if [ "$precision" = fp32 ]; then keys="$keys,pytorch,reduce-overhead"
     else keys="$keys,pytorch-$torch_precision,reduce-overhead-$torch_precision"; fi
     python3 -m deploykit bench "$work/$model-$precision" --model "$work/$model.pt" --factory "${factory[$model]}" \

@@ -12,12 +12,13 @@ import json
 import sys
 from pathlib import Path
 
-#: column -> bench key, by the bundle's precision; fp8 and int8 bundles are measured against PyTorch fp16
-#: (an fp8 bundle's ONNX graph is fp16, its packages' Linear products fp8; an int8 bundle is a Q/DQ graph)
+#: column -> bench key, by the bundle's precision; an fp8 bundle is measured against PyTorch fp16
+#: (its ONNX graph is fp16, its packages' Linear products fp8), an int8 one (a Q/DQ graph) against fp32
 PRECISIONS = ("fp32", "fp16", "fp8", "int8")
 COLUMNS = {
-    "eager": {"fp32": "pytorch", **dict.fromkeys(PRECISIONS[1:], "pytorch-fp16")},
-    "reduce-overhead": {"fp32": "reduce-overhead", **dict.fromkeys(PRECISIONS[1:], "reduce-overhead-fp16")},
+    "eager": {"fp32": "pytorch", "fp16": "pytorch-fp16", "fp8": "pytorch-fp16", "int8": "pytorch"},
+    "reduce-overhead": {"fp32": "reduce-overhead", "fp16": "reduce-overhead-fp16", "fp8": "reduce-overhead-fp16",
+                        "int8": "reduce-overhead"},
     **{column: dict.fromkeys(PRECISIONS, key) for column, key in (
         ("deploykit.load", "deploykit-load"), ("AOTI static", "aoti-static"), ("ORT runner", "ort-deploykit"),
         ("ORT floor", "ort-cuda-graph"))},
