@@ -115,10 +115,12 @@ for model in $models; do
     [ "$precision" = int8 ] || keys="$keys,aoti-static"
     torch_precision=${precision/fp8/fp16}  # fp8 is measured against PyTorch fp16
     [ "$precision" = int8 ] && torch_precision=fp32  # bench offers an int8 bundle PyTorch fp32 only
-    if [ "$precision" = fp32 ]; then keys="$keys,pytorch,reduce-overhead"
+    if [ "$torch_precision" = fp32 ]; then keys="$keys,pytorch,reduce-overhead"
     else keys="$keys,pytorch-$torch_precision,reduce-overhead-$torch_precision"; fi
+    # a random-weight resnet50 fails int8's validation (docs/precision.md): timed all the same, its log says so
+    more=(); [ "$precision" = int8 ] && more=(--allow-failed)
     python3 -m deploykit bench "$work/$model-$precision" --model "$work/$model.pt" --factory "${factory[$model]}" \
-      --device cuda --batch 1,32 --only "$keys" --iterations 100 --max-seconds 5 -o "$OUT/$model-$precision" \
+      --device cuda --batch 1,32 --only "$keys" --iterations 100 --max-seconds 5 -o "$OUT/$model-$precision" "${more[@]}" \
       > "$OUT/bench-$model-$precision.log" 2>&1
     stamp "bench $model $precision: exit $?"
   done
