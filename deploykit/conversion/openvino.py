@@ -68,6 +68,10 @@ class OpenVinoStage:
     entry: dict  # the manifest's entry; ``validated`` is set once validation has run
     folder: tempfile.TemporaryDirectory
     runner: OpenVinoRunner
+    # what it was built from, for auto-fix's rounds to build it again with other nodes kept in float
+    source: onnx.ModelProto
+    io: tuple[list[dict], list[dict]]
+    calibration: Calibration | None
 
     @property
     def label(self) -> str:
@@ -100,7 +104,13 @@ class OpenVinoStage:
             ov.save_model(model, xml, compress_to_fp16=False)
             compiled = compile_model(xml, xml.with_suffix(".bin"))
         entry["weights"] = xml.with_suffix(".bin").name
-        return cls(entry, folder, OpenVinoRunner(compiled, inputs=io[0], outputs=io[1], label=entry["file"]))
+        return cls(entry, folder, OpenVinoRunner(compiled, inputs=io[0], outputs=io[1], label=entry["file"]),
+                   source, io, calibration)
+
+    def rebuilt(self, kept_float: list[str]) -> OpenVinoStage:
+        """The same model built again from the same graph, ``kept_float`` nodes left out of NNCF's int8."""
+        return self.build(self.source, self.io, self.entry["source"], self.entry["precision"], self.calibration,
+                          kept_float)
 
     def validated_entry(self, validations) -> dict:
         """The manifest's entry: validated when every batch it ran passed."""

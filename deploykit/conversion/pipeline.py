@@ -184,9 +184,9 @@ def _compile_aoti(state: ConversionState) -> None:
                                        options.precision, state.fp8)
 
 
-def _build_openvino(state: ConversionState, kept_float: list[str] = ()) -> None:
+def _build_openvino(state: ConversionState) -> None:
     """The OpenVINO model from the fp32 graph the shipped one was made from (int8: NNCF on the same calibration
-    batches, ``kept_float``: what auto-fix keeps in float), from a graph of standard ops where that one has ours."""
+    batches), from a graph of standard ops where that one has ours."""
     options = state.options
     source = state.quantization.fp32 if state.quantization is not None else state.optimized
     note = openvino.source_note(source)
@@ -194,7 +194,7 @@ def _build_openvino(state: ConversionState, kept_float: list[str] = ()) -> None:
         source, _ = run_passes(state.exported.model, custom_ops=False, ort_fusions=options.ort_fusions,
                                quantizable=options.quantizes_graph)
     io = [tensor_spec(v) for v in source.graph.input], [tensor_spec(v) for v in source.graph.output]
-    state.openvino = openvino.OpenVinoStage.build(source, io, note, options.precision, state.calibration, kept_float)
+    state.openvino = openvino.OpenVinoStage.build(source, io, note, options.precision, state.calibration)
 
 
 def _validate(state: ConversionState) -> None:
@@ -241,7 +241,7 @@ def _auto_fix_int8(state: ConversionState) -> None:
                                              quantize.quantized_ops(stage.precision))
         stage.requantize(kept)
         if state.openvino is not None:
-            _build_openvino(state, kept)
+            state.openvino = state.openvino.rebuilt(kept)
         _validate_shipped(state)
         fix.rounds.append(quantize_fix.FixRound(kept, state.passed, quantize_fix.latency_ms(stage.model, feeds, library)))
         if state.passed:
