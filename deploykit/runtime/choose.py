@@ -15,7 +15,7 @@ from deploykit.backends.onnxruntime import wheels
 from deploykit.backends.onnxruntime.bundle import load_onnxruntime
 from deploykit.backends.onnxruntime.loader import CUDA_EP
 from deploykit.backends.openvino import loader as openvino
-from deploykit.backends.openvino.bundle import load_openvino
+from deploykit.backends.openvino.bundle import load_openvino, openvino_entry
 from deploykit.backends.tensorrt.bundle import load_tensorrt_engine
 from deploykit.backends.tensorrt.compat import engine_problem_here
 from deploykit.backends.tensorrt.shim import local_gpus
@@ -52,8 +52,7 @@ def choose_backend(bundle: Bundle, backend: str, device: str, trust_native: bool
     if backend == "openvino":
         if device == "cuda":
             raise BadInputError("OpenVINO runs the bundle on the CPU: use device='cpu' (or backend='onnxruntime')")
-        if not bundle.openvino:
-            raise BadInputError(f"{bundle.path} has no OpenVINO model: convert with --backend openvino")
+        openvino_entry(bundle)  # refuses a bundle without one, saying how to make it
         return "openvino", "cpu", notes
     if backend in ("auto", "tensorrt") and device != "cpu":
         if not bundle.engines:

@@ -311,9 +311,10 @@ def check_openvino(env: Environment) -> list[Check]:
     if "openvino" not in env.openvino:
         return [Check("OpenVINO", "skip", "not installed: convert --backend openvino is refused, and bundles' "
                       "OpenVINO models run in ONNX Runtime instead", f"pip install '{OPENVINO_EXTRA}'")]
-    made = f", NNCF {env.openvino['nncf']}" if "nncf" in env.openvino else ": no NNCF, so no int8 models"
-    return [Check("OpenVINO", "ok" if "nncf" in env.openvino else "warn", f"OpenVINO {env.openvino['openvino']}{made}",
-                  "" if "nncf" in env.openvino else f"pip install '{OPENVINO_EXTRA}'")]
+    found = f"OpenVINO {env.openvino['openvino']}"
+    if "nncf" in env.openvino:
+        return [Check("OpenVINO", "ok", f"{found}, NNCF {env.openvino['nncf']}")]
+    return [Check("OpenVINO", "warn", f"{found}: no NNCF, so no int8 models", f"pip install '{OPENVINO_EXTRA}'")]
 
 
 def check_libraries(env: Environment) -> list[Check]:
