@@ -420,14 +420,14 @@ def _aoti(bundle: runtime.Bundle, device: str, trust_native: bool, kind: str):
 
 def _openvino(bundle: runtime.Bundle, device: str):
     """The bundle's OpenVINO model (``--backend openvino``), on the CPU only."""
-    found = [c for c in find_candidates(bundle, device) if c.backend == "openvino"]
-    if not found:
+    if not bundle.openvino:  # before finding candidates, which reads the graph and checks packages
         return "the bundle has no OpenVINO model (convert with --backend openvino)"
-    if found[0].problem:
-        return found[0].problem
+    candidate = next(c for c in find_candidates(bundle, device) if c.backend == "openvino")
+    if candidate.problem:
+        return candidate.problem
 
     def setup(notes):
-        runner = open_runner(bundle, "openvino", found[0].options, device)
+        runner = open_runner(bundle, "openvino", candidate.options, device)
         notes += runner.notes
         return lambda feeds: _synchronized_step(runner, feeds, device)
 
