@@ -111,8 +111,8 @@ def load_tuned(bundle: Bundle, device: str, device_id: int, notes: list[str], *,
     for choice in tuning["choices"]:
         backend, options = choice["backend"], choice["options"]
         problem = choice_problem(here, backend, options)
-        forcing = [name for name in ort_options if name not in _options_for(backend, ort_options, op_library)
-                   and name not in ORT_HINTS]
+        taken = _options_for(backend, ort_options, op_library)
+        forcing = [name for name in ort_options if name not in taken and name not in ORT_HINTS]
         if problem is None and forcing and backend != "onnxruntime":
             problem = f"{', '.join(forcing)} apply to ONNX Runtime only"
         if problem:
