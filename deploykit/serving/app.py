@@ -9,12 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import json
 import logging
 import re
 import time
-import uuid
 import zlib
 
 from fastapi import FastAPI
@@ -22,19 +20,16 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
-from deploykit.serving import protocol
+from deploykit.serving import access, protocol, requests
 from deploykit.serving.batching import Batcher
 from deploykit.serving.metrics import Metrics
 from deploykit.serving.models import ServedModel
 from deploykit.serving.protocol import RequestError
+from deploykit.serving.requests import UNKNOWN
 from deploykit.versions import deploykit_version
 
-access_log = logging.getLogger("deploykit.serve.access")
 #: Paths answered without a token: orchestrators probe them without credentials.
 OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")
-UNKNOWN = "-"  # the model label of requests for no served model
-#: A client's X-Request-ID echoed back and logged only when it is a plain token.
-REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 @dataclasses.dataclass
@@ -88,12 +83,7 @@ def create_app(models: list[ServedModel], limits: Limits, on_ready, batcher_for)
         return error_response(RequestError(error.status_code, str(error.detail), "http"))
 
     def model_for(name: str, version: str | None) -> ServedModel:
-        model = served.get(name)
-        if model is None:
-            raise RequestError(404, f"no model named {name}; this server serves {', '.join(served)}", "unknown_model")
-        if version not in (None, "1"):
-            raise RequestError(404, f"model {name} has no version {version}; it serves version 1", "unknown_model")
-        return model
+        return requests.find_model(served, name, version)
 
     @app.get("/v2")
     async def server_metadata():
@@ -135,7 +125,7 @@ def create_app(models: list[ServedModel], limits: Limits, on_ready, batcher_for)
         text, content_type = metrics.render()
         return Response(text, media_type=content_type)
 
-    infer = InferRoute(app, served, batchers, limits, metrics, model_for)
+    infer = InferRoute(app, served, batchers, limits, metrics)
     return AuthAndAccessLog(infer, token=limits.token, metrics=metrics)
 
 
@@ -152,9 +142,8 @@ class InferRoute:
     """
 
     def __init__(self, app: FastAPI, served: dict[str, ServedModel], batchers: dict[str, Batcher], limits: Limits,
-                 metrics: Metrics, model_for):
-        self.app, self.served, self.batchers, self.limits = app, served, batchers, limits
-        self.metrics, self.model_for = metrics, model_for
+                 metrics: Metrics):
+        self.app, self.served, self.batchers, self.limits, self.metrics = app, served, batchers, limits, metrics
 
     async def __call__(self, scope, receive, send):
         match = INFER_PATH.fullmatch(scope["path"]) if scope["type"] == "http" else None
@@ -172,38 +161,32 @@ class InferRoute:
 
     async def answer(self, name: str, version: str | None, scope, receive) -> tuple[int, list, bytes]:
         """(status, headers, body) of one infer request; every refusal is a RequestError's JSON."""
-        label = name if name in self.served else UNKNOWN
         started = time.perf_counter()
         try:
-            model = self.model_for(name, version)
+            model = requests.find_model(self.served, name, version)
             body, header_length = await self.infer(model, Headers(scope=scope), receive, scope.get("client"))
         except RequestError as error:
-            self.metrics.answered(label, error.status, error.reason)
+            requests.count(self.metrics, self.served, name, started, error)
             return error.status, _json_headers(error.headers), _error_body(error)
         except Exception:  # noqa: BLE001 - a bug answers 500 and is logged; the server stays up
             logging.getLogger("deploykit.serve").exception("infer request for %s failed", name)
-            self.metrics.answered(label, 500, "internal")
-            return 500, _json_headers(), _error_body(RequestError(500, "internal server error", "internal"))
-        self.metrics.answered(label, 200)
-        self.metrics.request_latency.labels(label).observe(time.perf_counter() - started)
+            error = RequestError(500, "internal server error", "internal")
+            requests.count(self.metrics, self.served, name, started, error)
+            return 500, _json_headers(), _error_body(error)
+        requests.count(self.metrics, self.served, name, started)
         if header_length is None:
             return 200, _json_headers(), body
         return 200, [(b"content-type", b"application/octet-stream"),
                      (protocol.HEADER_LENGTH.lower().encode(), str(header_length).encode())], body
 
     async def infer(self, model: ServedModel, headers: Headers, receive, connection) -> tuple[bytes, int | None]:
-        batcher = self.batchers[model.name]
-        with batcher.arriving(connection):
+        async def parse() -> protocol.InferRequest:
             body = await read_body(receive, headers, self.limits.max_request_bytes)
-            parsed = protocol.parse_infer(body, headers.get(protocol.HEADER_LENGTH.lower()), model.inputs)
-            names = protocol.check_outputs(parsed, model.outputs)
-            future = batcher.submit(parsed.inputs, model.check(parsed.inputs), connection)
-        try:
-            outputs = await asyncio.wait_for(asyncio.wrap_future(future), self.limits.timeout_s)
-        except asyncio.TimeoutError:
-            raise RequestError(504, f"{model.name} gave no answer within {self.limits.timeout_s:g} s (--timeout): "
-                                    "the server is overloaded or the model is slow", "timeout") from None
-        return protocol.encode_response(model.name, parsed, names, outputs)
+            return protocol.parse_infer(body, headers.get(protocol.HEADER_LENGTH.lower()), model.inputs)
+
+        request, names, outputs = await requests.infer(self.batchers[model.name], model, parse, connection,
+                                                       self.limits.timeout_s)
+        return protocol.encode_response(model.name, request, names, outputs)
 
 
 def _json_headers(extra: dict | None = None) -> list[tuple[bytes, bytes]]:
@@ -227,8 +210,7 @@ class AuthAndAccessLog:
             await self.app(scope, receive, send)
             return
         started, headers = time.perf_counter(), Headers(scope=scope)
-        given = headers.get("x-request-id", "")
-        request_id = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex[:16]
+        request_id = access.request_id(headers.get("x-request-id"))
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":  # logged before the client can see the answer
@@ -236,10 +218,10 @@ class AuthAndAccessLog:
                 _log_access(scope, headers, message["status"], request_id, started)
             await send(message)
 
-        if self.token is not None and scope["path"] not in OPEN_PATHS and not _authorized(headers, self.token):
+        if (self.token is not None and scope["path"] not in OPEN_PATHS
+                and not access.authorized(headers.get("authorization"), self.token)):
             self.metrics.errors.labels(UNKNOWN, "unauthorized").inc()
-            refusal = RequestError(401, "missing or wrong bearer token: send the header 'Authorization: Bearer "
-                                        "<token>'", "unauthorized", {"WWW-Authenticate": "Bearer"})
+            refusal = RequestError(401, access.UNAUTHORIZED, "unauthorized", {"WWW-Authenticate": "Bearer"})
             await error_response(refusal)(scope, receive, send_with_id)
         else:
             await self.app(scope, receive, send_with_id)
@@ -247,11 +229,6 @@ class AuthAndAccessLog:
 
 def error_response(error: RequestError) -> JSONResponse:
     return JSONResponse({"error": str(error)}, status_code=error.status, headers=error.headers)
-
-
-def _authorized(headers: Headers, token: str) -> bool:
-    scheme, _, given = headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
 async def read_body(receive, headers: Headers, limit: int) -> bytes:
@@ -291,13 +268,6 @@ def _decompressed(body: bytes, encoding: str | None, limit: int, too_large: Requ
 
 
 def _log_access(scope, headers: Headers, status: int, request_id: str, started: float) -> None:
-    """One JSON line per request: what a log pipeline indexes without parsing free text."""
-    if not access_log.isEnabledFor(logging.INFO):
-        return
     client, length = scope.get("client"), headers.get("content-length", "")
-    access_log.info(json.dumps({
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "request_id": request_id,
-        "client": f"{client[0]}:{client[1]}" if client else None, "method": scope["method"],
-        "path": scope["path"], "status": status, "ms": round((time.perf_counter() - started) * 1e3, 3),
-        "bytes_in": int(length) if length.isdigit() else 0,
-    }))
+    access.log_line(method=scope["method"], path=scope["path"], client=f"{client[0]}:{client[1]}" if client else None,
+                    status=status, request=request_id, started=started, bytes_in=int(length) if length.isdigit() else 0)

@@ -115,37 +115,37 @@ def _input_tensor(entry, blobs: memoryview, offset: int, wanted: dict) -> tuple[
     if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
         raise bad('every input needs a "name", "shape", "datatype" and "data"')
     name = entry["name"]
-    if name not in wanted:
-        raise bad(f"no input named {name}; the model takes {', '.join(wanted)}")
-    spec = wanted[name]
-    shape = _shape(name, entry.get("shape"))
-    expected = datatype_of(spec["dtype"])
-    if entry.get("datatype") != expected:
-        raise bad(f"input {name} is {entry.get('datatype')}, the model takes {expected}")
-    dtype = numpy_dtype(spec["dtype"])
+    shape, dtype = check_input(name, entry.get("shape"), entry.get("datatype"), wanted)
     size = (entry.get("parameters") or {}).get("binary_data_size")
-    if size is not None:
-        array, offset = _binary_tensor(name, shape, dtype, size, blobs, offset)
-    else:
-        array = _json_tensor(name, shape, dtype, entry.get("data"))
-    return name, array, offset
-
-
-def _shape(name: str, shape) -> tuple[int, ...]:
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                              for d in shape):
-        raise bad(f"input {name}: \"shape\" must be a list of sizes >= 0")
-    return tuple(shape)
-
-
-def _binary_tensor(name, shape, dtype, size, blobs: memoryview, offset: int) -> tuple[np.ndarray, int]:
+    if size is None:
+        return name, _json_tensor(name, shape, dtype, entry.get("data")), offset
     expected = math.prod(shape) * dtype.itemsize
     if not isinstance(size, int) or size != expected:
         raise bad(f"input {name}: binary_data_size is {size}, its shape and datatype take {expected} bytes")
     if offset + size > len(blobs):
         raise bad(f"input {name}: the body ends {offset + size - len(blobs)} bytes before its binary data does")
-    array = np.frombuffer(blobs, dtype=dtype.newbyteorder("<"), count=math.prod(shape), offset=offset)
-    return array.reshape(shape).astype(dtype, copy=False), offset + size
+    return name, tensor_from_bytes(blobs, shape, dtype, offset), offset + size
+
+
+def check_input(name: str, shape, datatype, wanted: dict) -> tuple[tuple[int, ...], np.dtype]:
+    """An input's shape and the model's dtype for it, once its name, shape and datatype are right
+    (``wanted``: the model's input specs by name); the same checks for every wire format."""
+    if name not in wanted:
+        raise bad(f"no input named {name}; the model takes {', '.join(wanted)}")
+    spec = wanted[name]
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise bad(f"input {name}: \"shape\" must be a list of sizes >= 0")
+    expected = datatype_of(spec["dtype"])
+    if datatype != expected:
+        raise bad(f"input {name} is {datatype}, the model takes {expected}")
+    return tuple(shape), numpy_dtype(spec["dtype"])
+
+
+def tensor_from_bytes(raw, shape: tuple[int, ...], dtype: np.dtype, offset: int = 0) -> np.ndarray:
+    """An array over little-endian ``raw`` bytes (a view where the machine is little-endian, as x86 and Arm are)."""
+    array = np.frombuffer(raw, dtype=dtype.newbyteorder("<"), count=math.prod(shape), offset=offset)
+    return array.reshape(shape).astype(dtype, copy=False)
 
 
 def _json_tensor(name, shape, dtype: np.dtype, data) -> np.ndarray:
@@ -159,11 +159,12 @@ def _json_tensor(name, shape, dtype: np.dtype, data) -> np.ndarray:
         raise bad(f"input {name} has {values.size} values, its shape {list(shape)} takes {math.prod(shape)}")
     if values.size and values.dtype.kind not in "biuf":
         raise bad(f"input {name}: \"data\" must hold numbers" + (" or booleans" if dtype.kind == "b" else ""))
-    return _exact_cast(name, values.reshape(shape), dtype)
+    return exact_cast(name, values.reshape(shape), dtype)
 
 
-def _exact_cast(name: str, values: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """JSON numbers as the model's dtype; integers must survive the cast (floats round, as JSON floats do)."""
+def exact_cast(name: str, values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Numbers sent as values (JSON, gRPC's typed contents) as the model's dtype; integers must survive
+    the cast (floats round, as JSON floats do)."""
     with np.errstate(all="ignore"):
         cast = values.astype(dtype)
     if dtype.kind in "biu" and values.size and not np.array_equal(cast.astype(values.dtype), values):
@@ -203,7 +204,7 @@ def encode_response(model: str, request: InferRequest, names: list[str], outputs
         array = np.ascontiguousarray(outputs[name])
         entry = {"name": name, "datatype": datatype_of(array.dtype.name), "shape": list(array.shape)}
         if "*" in request.binary_outputs or name in request.binary_outputs:
-            raw = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+            raw = tensor_bytes(array)
             entry["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
         else:
@@ -214,6 +215,11 @@ def encode_response(model: str, request: InferRequest, names: list[str], outputs
         response["id"] = request.id
     header = json.dumps(response, allow_nan=True).encode()
     return (header + b"".join(blobs), len(header)) if blobs else (header, None)
+
+
+def tensor_bytes(array: np.ndarray) -> bytes:
+    """An output's raw little-endian bytes, as the binary extension and gRPC's raw contents carry them."""
+    return np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
 
 
 def _json_values(array: np.ndarray) -> list:
