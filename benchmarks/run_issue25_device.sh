@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 25: `deploykit serve` and a real Triton Inference Server (2.51, its python backend running
 # `deploykit export triton --platform python` of the same bundle) measured one after the other by Triton's
-# C++ load generator (benchmarks/perf_analyzer.py: HTTP, one fp32 image or one sequence per request).
+# C++ load generator (benchmarks/perf_analyzer.py: HTTP, one fp32 image or one sequence per request;
+# PROTOCOLS="http grpc" measures each server's gRPC endpoint too, serve's with --grpc-port).
 # On the H200 (nvidia-h200), run_issue13_device.sh's tuned fp16 bundles, concurrency 1, 16, 64, 128, 256:
 #   OUT=/tmp/results STEPS="setup convert serve triton" MODELS="resnet50 bert_base" bash benchmarks/run_issue25_device.sh
 # On a CPU machine (DEVICE=cpu), the small pre-activation net (model_zoo:resnetv2_18, BatchNorm statistics
@@ -148,7 +149,12 @@ profile() {  # DIR SERVER_PID: py-spy (raw stacks, 10 s, not stopping them) of t
     py-spy record --pid "$pid" --duration 10 --nonblocking --format raw -o "$1/py-spy-$pid.txt" > /dev/null 2>&1 &
   done
 }
-sweep() {  # NAME MODEL HTTP_PORT SERVER_PID: perf_analyzer at each level, GPU busy sampled beside it
+protocols=${PROTOCOLS:-http}
+endpoints() {  # HTTP_PORT GRPC_PORT: perf_analyzer.py's endpoint options for $protocols
+  [[ " $protocols " != *" http "* ]] || echo "--http 127.0.0.1:$1"
+  [[ " $protocols " != *" grpc "* ]] || echo "--grpc 127.0.0.1:$2"
+}
+sweep() {  # NAME MODEL HTTP_PORT GRPC_PORT SERVER_PID: perf_analyzer at each level, GPU busy sampled beside it
   for level in $levels; do
     local dir="$results/$1/c$level" sampler=; mkdir -p "$dir"
     if [ "$device" != cpu ]; then
@@ -156,10 +162,10 @@ sweep() {  # NAME MODEL HTTP_PORT SERVER_PID: perf_analyzer at each level, GPU b
       sampler=$!
     fi
     if [ "${PROFILE_LEVEL:-}" = "$level" ] && command -v py-spy > /dev/null; then
-      (sleep 5; profile "$dir" "$4") &
+      (sleep 5; profile "$dir" "$5") &
     fi
     # shellcheck disable=SC2086
-    python3 "$root/benchmarks/perf_analyzer.py" "$2" --http "127.0.0.1:$3" --concurrency "$level" \
+    python3 "$root/benchmarks/perf_analyzer.py" "$2" $(endpoints "$3" "$4") --concurrency "$level" \
       --measurement-interval-ms ${INTERVAL_MS:-3000} --stability-percentage ${STABILITY:-10} ${shapes[${2%-*}]} --out "$dir" > "$dir/run.log" 2>&1
     [ -z "$sampler" ] || { kill $sampler; wait $sampler 2>/dev/null; }
     stamp "$1 c$level: $(tail -n 1 "$dir/run.log")"
@@ -183,9 +189,9 @@ for round in $(seq "$rounds"); do  # ROUNDS=N: the servers one after the other, 
     bundle=$WORK/$model-$precision
     if has_step serve; then
       python3 -m deploykit serve "$bundle" --device "$device" --workers "$workers" --instances "$instances" --max-batch $max_batch ${SERVE_ARGS:-} \
-        --no-access-log --port 18000 > "$results/serve-$model.log" 2>&1 &
+        --no-access-log --port 18000 --grpc-port 18004 > "$results/serve-$model.log" 2>&1 &
       server=$!
-      wait_for "$results/serve-$model.log" "serving at" 240 $server && sweep "serve-$model" "$model-$precision" 18000 $server
+      wait_for "$results/serve-$model.log" "serving at" 240 $server && sweep "serve-$model" "$model-$precision" 18000 18004 $server
       kill -TERM $server; wait $server; stamp "deploykit serve $model: exit $?"
     fi
     if has_step triton; then
@@ -200,7 +206,7 @@ os.execvpe(server.command[0], [*server.command, "--model-repository", sys.argv[1
                                "--grpc-port", "18002", "--metrics-port", "18003"], server.env)
 PY
       server=$!
-      wait_for "$results/triton-$model.log" "Started HTTPService" 300 $server && sweep "triton-$model" "$model-$precision" 18001 $server
+      wait_for "$results/triton-$model.log" "Started HTTPService" 300 $server && sweep "triton-$model" "$model-$precision" 18001 18002 $server
       kill -TERM $server; wait $server; stamp "tritonserver $model: exit $?"
     fi
   done

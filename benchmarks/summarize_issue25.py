@@ -35,7 +35,7 @@ def collect(results: Path) -> list[dict]:
     measured: dict[tuple, list[dict]] = {}
     for folder in rounds:
         for row in collect_run(folder):
-            measured.setdefault((row["server"], row["model"], row["concurrency"]), []).append(row)
+            measured.setdefault((row["server"], row["model"], row["protocol"], row["concurrency"]), []).append(row)
     return [median_row(found) for found in measured.values()]
 
 
@@ -82,14 +82,15 @@ def table(rows: list[dict]) -> str:
         return "" if value is None else f"{value:.{digits}f}"
 
     rounds = any(r.get("spread") for r in rows)
-    lines = ["| model | server | concurrency | infer/s | p50 ms | p95 ms | p99 ms | errors | GPU busy % | "
+    lines = ["| model | server | protocol | concurrency | infer/s | p50 ms | p95 ms | p99 ms | errors | GPU busy % | "
              "serve / triton |" + (" infer/s lowest-highest (rounds) |" if rounds else ""),
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if rounds else "")]
-    triton = {(r["model"], r["concurrency"]): r["throughput"] for r in rows if r["server"] == "triton"}
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if rounds else "")]
+    triton = {(r["model"], r["protocol"], r["concurrency"]): r["throughput"] for r in rows if r["server"] == "triton"}
     for r in rows:
-        other = triton.get((r["model"], r["concurrency"]))
+        other = triton.get((r["model"], r["protocol"], r["concurrency"]))
         ratio = r["throughput"] / other if r["server"] == "serve" and r["throughput"] and other else None
-        lines.append(f"| {r['model']} | {r['server']} | {r['concurrency']} | {number(r['throughput'], 0)} | "
+        lines.append(f"| {r['model']} | {r['server']} | {r['protocol']} | {r['concurrency']} | "
+                     f"{number(r['throughput'], 0)} | "
                      f"{number(r['p50_ms'])} | {number(r['p95_ms'])} | {number(r['p99_ms'])} | {r['errors']} | "
                      f"{number(r['busy'], 0)} | {number(ratio)} |" + (_spread(r) if rounds else "")
                      + (f" {r['failure']}" if r["failure"] else "")
@@ -113,9 +114,11 @@ def plot(rows: list[dict], path: Path) -> None:
     models = sorted({r["model"] for r in rows})
     figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for axis, model in zip(axes[0], models):
-        for server in sorted({r["server"] for r in rows}):
-            points = [r for r in rows if r["model"] == model and r["server"] == server and r["throughput"]]
-            axis.plot([r["p99_ms"] for r in points], [r["throughput"] for r in points], marker="o", label=server)
+        for server, protocol in sorted({(r["server"], r["protocol"]) for r in rows}):
+            points = [r for r in rows if r["model"] == model and r["server"] == server and r["protocol"] == protocol
+                      and r["throughput"]]
+            axis.plot([r["p99_ms"] for r in points], [r["throughput"] for r in points], marker="o",
+                      label=f"{server} ({protocol})")
             for r in points:
                 axis.annotate(str(r["concurrency"]), (r["p99_ms"], r["throughput"]), fontsize=8,
                               textcoords="offset points", xytext=(4, 4))

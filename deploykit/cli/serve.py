@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import click
@@ -16,6 +17,8 @@ from deploykit.cli._printing import print_notes
 @click.argument("bundles", type=BUNDLE, nargs=-1, required=True)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port (0: any free one).")
+@click.option("--grpc-port", type=click.IntRange(0, 65535),
+              help="Also answer the KServe v2 gRPC protocol on this port (Triton's is 8001; 0: any free one).")
 @click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt", "openvino"]), default="auto",
               show_default=True,
               help="How deploykit.load runs each bundle.")
@@ -53,10 +56,10 @@ from deploykit.cli._printing import print_notes
 @allow_failed_option("Serve a bundle whose validation failed.")
 @trust_bundle_option
 @verbose_option()
-def serve(bundles, host, port, backend, devices, instances, workers, threads, max_batch, max_delay_ms, buckets,
+def serve(bundles, host, port, grpc_port, backend, devices, instances, workers, threads, max_batch, max_delay_ms, buckets,
           max_queue, max_request_mb, timeout_s, token_file, allow_nan, warmup_runs, no_access_log, allow_failed,
           trust_bundle, verbose):
-    """Serve BUNDLES over HTTP with the KServe v2 / Open Inference Protocol and dynamic batching.
+    """Serve BUNDLES over HTTP (and gRPC) with the KServe v2 / Open Inference Protocol and dynamic batching.
 
     Each model is named after its bundle's folder. SIGTERM or Ctrl-C stops accepting requests,
     answers every accepted one, and exits 0; a GPU whose CUDA context is lost stops it with exit 3.
@@ -64,8 +67,8 @@ def serve(bundles, host, port, backend, devices, instances, workers, threads, ma
     from deploykit.serving import server
     from deploykit.serving.models import ServeOptions, load_models
 
-    with handle_errors(verbose):
-        server.require_serving_packages()
+    with handle_errors(verbose), contextlib.ExitStack() as held:
+        server.require_serving_packages(grpc=grpc_port is not None)
         from deploykit.serving.app import Limits
 
         token = _read_token(token_file) if token_file else None
@@ -75,16 +78,23 @@ def serve(bundles, host, port, backend, devices, instances, workers, threads, ma
                                threads=threads)
         limits = Limits(max_request_bytes=int(max_request_mb * (1 << 20)), max_queue=max_queue, timeout_s=timeout_s,
                         max_delay_ms=max_delay_ms, token=token)
+        grpc_address = None
+        if grpc_port is not None:
+            from deploykit.serving import grpc_service
+
+            grpc_address = grpc_service.address_of(held.enter_context(grpc_service.reserve_port(host, grpc_port)))
+        how = (f", gRPC at {grpc_address}" if grpc_address else "") + (f", {workers} workers" if workers > 1 else "")
         if workers > 1:
             from deploykit.serving.workers import serve_in_workers
 
             code = serve_in_workers(list(bundles), options, limits, host, port, workers,
                                     access_log=not no_access_log, on_loaded=_print_models,
-                                    on_started=lambda url: _print_started(url, f", {workers} workers"))
+                                    on_started=lambda url: _print_started(url, how), grpc_address=grpc_address)
             raise SystemExit(code)
         models = load_models(list(bundles), options)
         _print_models([(model.name, model.notes, server.model_summary(model)) for model in models])
-        server.serve(models, limits, host, port, access_log=not no_access_log, on_started=_print_started)
+        server.serve(models, limits, host, port, access_log=not no_access_log,
+                     on_started=lambda url: _print_started(url, how), grpc_address=grpc_address)
 
 
 def _print_models(described: list[tuple[str, list[str], str]]) -> None:
@@ -93,7 +103,7 @@ def _print_models(described: list[tuple[str, list[str], str]]) -> None:
         console.print(summary, soft_wrap=True)
 
 
-def _print_started(url: str, how: str = "") -> None:
+def _print_started(url: str, how: str) -> None:
     console.print(f"serving at {url} (v2 API, metrics at {url}/metrics{how})")
 
 

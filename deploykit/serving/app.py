@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
+from deploykit.errors import EnvironmentProblem
 from deploykit.serving import access, protocol, requests
 from deploykit.serving.batching import Batcher
 from deploykit.serving.metrics import Metrics
@@ -43,10 +44,13 @@ class Limits:
     token: str | None = None
 
 
-def create_app(models: list[ServedModel], limits: Limits, on_ready, batcher_for):
+def create_app(models: list[ServedModel], limits: Limits, on_ready, batcher_for, grpc_address: str | None = None,
+               on_failed=None):
     """The app (an ASGI callable); batchers start with it and, at shutdown, finish every queued request
     before they stop; ``on_ready()`` once every runner is warm. ``batcher_for(model, metrics)``: where
-    a model's requests go (a Batcher over its runners in this process, or the model process's)."""
+    a model's requests go (a Batcher over its runners in this process, or the model process's).
+    ``grpc_address``: also answer gRPC there, over the same batchers (``grpc_service``); where that
+    server cannot start, ``on_failed(message)`` instead of ``on_ready``."""
     metrics = Metrics()
     served = {model.name: model for model in models}
     batchers: dict[str, Batcher] = {}
@@ -56,6 +60,15 @@ def create_app(models: list[ServedModel], limits: Limits, on_ready, batcher_for)
     async def lifespan(_app):
         for model in models:
             batchers[model.name] = batcher_for(model, metrics)
+        grpc_server = None
+        if grpc_address is not None:
+            from deploykit.serving import grpc_service
+
+            service = grpc_service.InferenceService(served, batchers, limits, metrics, state)
+            try:
+                grpc_server = await grpc_service.start(grpc_address, service, limits.max_request_bytes)
+            except EnvironmentProblem as problem:
+                on_failed(str(problem))
 
         async def ready_once_warm():  # requests are queued meanwhile; only readiness waits
             await asyncio.gather(*(asyncio.to_thread(b.wait_warm) for b in batchers.values()))
@@ -63,10 +76,13 @@ def create_app(models: list[ServedModel], limits: Limits, on_ready, batcher_for)
             if on_ready is not None:
                 on_ready()
 
-        warming = asyncio.create_task(ready_once_warm())
+        warming = asyncio.create_task(ready_once_warm()) if grpc_address is None or grpc_server else None
         yield
-        warming.cancel()
+        if warming is not None:
+            warming.cancel()
         state["ready"] = False
+        if grpc_server is not None:  # stops taking RPCs, answers those in flight
+            await grpc_server.stop(limits.timeout_s + 1)
         await asyncio.gather(*(asyncio.to_thread(b.close) for b in batchers.values()))
         for model in models:
             for runner in model.runners:

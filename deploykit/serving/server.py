@@ -19,10 +19,12 @@ from deploykit.errors import EnvironmentProblem
 EXTRA_HINT = "pip install 'deploykit[serve]'"
 
 
-def require_serving_packages() -> None:
-    """FastAPI, uvicorn and prometheus-client, or one line saying how to get them (exit 3)."""
+def require_serving_packages(grpc: bool = False) -> None:
+    """FastAPI, uvicorn and prometheus-client (and for ``grpc`` grpcio and tritonclient's generated
+    KServe messages), or one line saying how to get them (exit 3)."""
     missing = []
-    for module, package in (("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("prometheus_client", "prometheus-client")):
+    for module, package in (("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("prometheus_client", "prometheus-client"),
+                            *((("grpc", "grpcio"), ("tritonclient.grpc", "tritonclient[grpc]")) if grpc else ())):
         try:
             __import__(module)
         except ImportError:
@@ -44,28 +46,32 @@ def configure_logging(access_log: bool) -> None:
 
 
 def serve(models, limits, host: str = "127.0.0.1", port: int = 8000, *, access_log: bool = True,
-          on_started=None, on_ready=None, sockets=None, batcher_for=None) -> None:
+          on_started=None, on_ready=None, sockets=None, batcher_for=None, grpc_address: str | None = None) -> None:
     """Serve ``models`` until SIGTERM or SIGINT; every accepted request is answered before it returns.
     ``on_started(url)`` once it listens, ``on_ready()`` once every runner is warm; ``sockets``: listen on
     these instead of host:port, ``batcher_for``: send requests to the model process (a worker of
-    ``serve --workers``). EnvironmentProblem after the stop when a GPU's CUDA context was lost."""
+    ``serve --workers``), ``grpc_address``: answer gRPC there too (``grpc_service.reserve_port`` holds it).
+    EnvironmentProblem after the stop when a GPU's CUDA context was lost or gRPC could not start."""
     import uvicorn
 
     from deploykit.serving.app import create_app
     from deploykit.serving.batching import Batcher
 
     configure_logging(access_log)
-    lost: list[str] = []
+    problems: list[str] = []
 
-    def stop_lost(message: str) -> None:  # a GPU's CUDA context is lost: stop as on SIGTERM, then say why
-        logging.getLogger("deploykit.serve").critical(message)
-        lost.append(message)
+    def stop_failed(message: str) -> None:  # stop as on SIGTERM, then say why
+        problems.append(message)
         server.should_exit = True
+
+    def stop_lost(message: str) -> None:  # a GPU's CUDA context is lost
+        logging.getLogger("deploykit.serve").critical(message)
+        stop_failed(message)
 
     if batcher_for is None:
         def batcher_for(model, metrics):
             return Batcher(model, limits.max_delay_ms / 1e3, limits.max_queue, metrics, on_lost=stop_lost)
-    app = create_app(models, limits, on_ready, batcher_for)
+    app = create_app(models, limits, on_ready, batcher_for, grpc_address, on_failed=stop_failed)
     config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="on",
                             timeout_graceful_shutdown=max(limits.timeout_s, 1.0) + 5, server_header=False)
     server = uvicorn.Server(config)
@@ -73,8 +79,8 @@ def serve(models, limits, host: str = "127.0.0.1", port: int = 8000, *, access_l
         _call_when_started(server, on_started)
     with _signals_end_quietly():
         server.run(sockets)
-    if lost:
-        raise EnvironmentProblem(lost[0])
+    if problems:
+        raise EnvironmentProblem(problems[0])
 
 
 def _call_when_started(server, on_started) -> None:
@@ -83,7 +89,7 @@ def _call_when_started(server, on_started) -> None:
 
     async def started(sockets=None):
         await startup(sockets)
-        if server.started:
+        if server.started and not server.should_exit:  # not when startup failed (gRPC's port)
             host, port = server.servers[0].sockets[0].getsockname()[:2]
             on_started(f"http://{host}:{port}")
 

@@ -26,16 +26,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from deploykit.errors import EXIT_INTERNAL, EnvironmentProblem
+from deploykit.errors import EXIT_INTERNAL, DeployKitError, EnvironmentProblem
 from deploykit.serving.metrics import MULTIPROCESS_DIR
 
 
 def serve_in_workers(paths, options, limits, host: str, port: int, workers: int, *, access_log: bool = True,
-                     on_loaded=None, on_started=None) -> int:
+                     on_loaded=None, on_started=None, grpc_address: str | None = None) -> int:
     """Serve the bundles at ``paths`` from ``workers`` HTTP processes and one model process until SIGTERM
     or SIGINT; the exit code: 0 after a graceful stop, else the code of the first process that failed
     (its error on stderr). ``on_loaded(models)`` with the models described (name, notes, summary),
-    ``on_started(url)`` once the models are warm and every worker listens."""
+    ``on_started(url)`` once the models are warm and every worker listens; ``grpc_address``: every
+    worker answers gRPC there too (a port ``grpc_service.reserve_port`` holds)."""
     from deploykit.serving.model_host import run_model_process
 
     listening = _listen(host, port)
@@ -48,7 +49,7 @@ def serve_in_workers(paths, options, limits, host: str, port: int, workers: int,
     model_process = context.Process(target=run_model_process, name="deploykit-serve-models", daemon=False,
                                      args=(paths, options, limits, [ours for ours, _ in pipes], events))
     processes = [context.Process(target=_worker, name=f"deploykit-serve-{index}", daemon=False,
-                                 args=(index, limits, theirs, buffers, listening, access_log, events))
+                                 args=(index, limits, theirs, buffers, listening, access_log, events, grpc_address))
                  for index, (_, theirs) in enumerate(pipes)]
     stopping = {"signal": None}
     previous = {sig: signal.signal(sig, lambda number, _frame: stopping.update(signal=number))
@@ -131,7 +132,7 @@ def _stop(model_process, processes, code: int | None, timeout_s: float) -> int:
 
 
 def _worker(index: int, limits, connection, buffers: Path | None, listening: socket.socket, access_log: bool,
-            events) -> None:
+            events, grpc_address: str | None) -> None:
     """One HTTP worker: the models' descriptions from the model process (once they are warm), then serve
     on the inherited socket and report ready. The model process's failure ends it quietly (it said why)."""
     from deploykit.serving.model_host import HostLink
@@ -144,6 +145,10 @@ def _worker(index: int, limits, connection, buffers: Path | None, listening: soc
     link = HostLink(connection, buffers, f"w{index}")
     try:
         serve(models, limits, access_log=access_log, sockets=[listening], batcher_for=link.batcher,
-              on_ready=lambda: events.put((index, None, None)))
+              on_ready=lambda: events.put((index, None, None)), grpc_address=grpc_address)
+    except DeployKitError as error:  # its gRPC server could not start: the server stops with its code
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        events.put((index, error.exit_code, None))
+        sys.exit(error.exit_code)
     finally:
         link.close()

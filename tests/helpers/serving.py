@@ -74,3 +74,15 @@ def metric_samples(server: Server, name: str, **labels) -> dict[str, float]:
                 key = sample.name + (f"[{sample.labels['le']}]" if "le" in sample.labels else "")
                 samples[key] = samples.get(key, 0.0) + sample.value
     return samples
+
+
+def grpc_url(server: Server, timeout_s: float = 30) -> str:
+    """host:port of a server's gRPC endpoint (started with ``--grpc-port``), as its start line names it."""
+    import re
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (found := re.search(r"gRPC at (\S+?)[,)]", server.output())) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert found, server.output()
+    return found[1]

@@ -17,3 +17,11 @@ def test_missing_extra_names_what_to_install(monkeypatch):
         server.require_serving_packages()
     assert str(error.value) == "deploykit serve needs uvicorn, prometheus-client: pip install 'deploykit[serve]'"
     assert error.value.exit_code == EXIT_ENVIRONMENT
+
+
+def test_grpc_names_its_packages_only_when_asked(monkeypatch):
+    monkeypatch.setitem(sys.modules, "grpc", None)
+    server.require_serving_packages()  # HTTP alone needs no grpcio
+    with pytest.raises(EnvironmentProblem) as error:
+        server.require_serving_packages(grpc=True)
+    assert str(error.value) == "deploykit serve needs grpcio: pip install 'deploykit[serve]'"
