@@ -38,7 +38,7 @@ from deploykit.errors import BadInputError
 from deploykit.serving.gpu_health import lost_context, lost_message
 from deploykit.serving.models import ServedModel
 from deploykit.serving.protocol import RequestError
-from deploykit.serving.staging import PinnedStaging
+from deploykit.serving.staging import PinnedStaging, copy_rows
 
 log = logging.getLogger("deploykit.serve")
 
@@ -247,9 +247,13 @@ def _batch_feeds(model: ServedModel, requests: list[dict[str, np.ndarray]], rows
         if staging is not None:
             feeds[spec["name"]] = staging.assemble(spec["name"], parts, rows, size)
             continue
-        if size > rows:
-            parts.append(np.zeros((size - rows, *parts[0].shape[1:]), parts[0].dtype))
-        feeds[spec["name"]] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if len(parts) == 1 and size == rows:
+            feeds[spec["name"]] = parts[0]
+            continue
+        batch = np.empty((size, *parts[0].shape[1:]), parts[0].dtype)
+        copy_rows(parts, batch[:rows])
+        batch[rows:] = 0
+        feeds[spec["name"]] = batch
     return feeds
 
 
