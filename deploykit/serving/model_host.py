@@ -22,6 +22,7 @@ instead, never as a crash on a page that cannot be backed.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -164,55 +165,59 @@ class SharedBuffers:
 
 
 class HostLink:
-    """A worker's end of its pipe to the model process: requests out, answers in (on a thread of its own)."""
+    """A worker's end of its pipe to the model process: requests out, answers in, both on the worker's
+    event loop. Answers are read there rather than on a thread of their own: such a thread, back from
+    waiting on the pipe, has to take the GIL from the event loop, which under load runs Python
+    without pause and gives it up only every switch interval (5 ms)."""
 
     def __init__(self, connection, buffers_folder: Path | None, prefix: str):
         self.connection = connection
         self.buffers = SharedBuffers(buffers_folder, prefix, forget=lambda path: self._send(("forget", path)))
-        self._send_lock = threading.Lock()
         self._pending: dict[int, tuple[Future, Buffer | None]] = {}
         self._ids = itertools.count()
         self._gone: str | None = None
-        self._answers = threading.Thread(target=self._receive, name="model-process-answers", daemon=True)
-        self._answers.start()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def batcher(self, model, _metrics) -> RemoteBatcher:
-        """The app's batcher of ``model`` (``create_app``'s ``batcher_for``)."""
+        """The app's batcher of ``model`` (``create_app``'s ``batcher_for``, called on the event loop,
+        which then reads the answers)."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._loop.add_reader(self.connection.fileno(), self._receive)
         return RemoteBatcher(self, model.name)
 
     def submit(self, model: str, inputs: dict[str, np.ndarray], rows: int) -> Future:
+        if self._gone is not None:
+            raise RequestError(503, self._gone, "model_process", {"Retry-After": "1"})
         future: Future = Future()
         buffer, tensors = self.buffers.put(inputs)
         request = next(self._ids)
-        with self._send_lock:
-            if self._gone is None:
-                self._pending[request] = (future, buffer)
-                self.connection.send(("infer", request, model, tensors, rows))
-                return future
-        self.buffers.release(buffer)
-        raise RequestError(503, self._gone, "model_process", {"Retry-After": "1"})
+        self._pending[request] = (future, buffer)
+        self.connection.send(("infer", request, model, tensors, rows))
+        return future
 
     def _send(self, message) -> None:
-        with self._send_lock:
-            if self._gone is None:
-                self.connection.send(message)
+        if self._gone is None:
+            self.connection.send(message)
 
     def _receive(self) -> None:
-        while True:
-            try:
-                answers = self.connection.recv()
-            except (EOFError, OSError):
-                break
-            for request, kind, payload in answers:
-                with self._send_lock:
-                    future, buffer = self._pending.pop(request)
-                if kind == "shm":  # copied out: the buffer serves the next request
-                    payload = {name: array.copy() for name, array in _read(buffer.memory, payload).items()}
-                self.buffers.release(buffer)
-                _settle(future, kind, payload)
-        with self._send_lock:
-            self._gone = "the model process has stopped: the server is shutting down or failed (see its log)"
-            pending, self._pending = self._pending, {}
+        """One message of answers (the loop calls again while the pipe has more)."""
+        try:
+            answers = self.connection.recv()
+        except (EOFError, OSError):
+            self._lost()
+            return
+        for request, kind, payload in answers:
+            future, buffer = self._pending.pop(request)
+            if kind == "shm":  # copied out: the buffer serves the next request
+                payload = {name: array.copy() for name, array in _read(buffer.memory, payload).items()}
+            self.buffers.release(buffer)
+            _settle(future, kind, payload)
+
+    def _lost(self) -> None:
+        self._loop.remove_reader(self.connection.fileno())
+        self._gone = "the model process has stopped: the server is shutting down or failed (see its log)"
+        pending, self._pending = self._pending, {}
         for future, _buffer in pending.values():
             _settle(future, "error", _as_error(RequestError(503, self._gone, "model_process", {"Retry-After": "1"})))
 

@@ -7,6 +7,7 @@ staging a GPU runner's batches are assembled in.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import multiprocessing
@@ -14,6 +15,7 @@ import os
 import socket
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -63,7 +65,7 @@ def host(tmp_path):
     outbox = Outbox()
     answering = threading.Thread(target=serve_workers, args=([ours], {"double": batcher}, outbox), daemon=True)
     answering.start()
-    link = HostLink(theirs, tmp_path, "w0")
+    link = OnLoop(HostLink(theirs, tmp_path, "w0"))
     yield link, runner, ours
     link.close()
     _hang_up(theirs)
@@ -71,6 +73,31 @@ def host(tmp_path):
     batcher.close()
     outbox.close()
     ours.close()
+
+
+class OnLoop:
+    """A HostLink driven as a worker drives it, from its event loop (here on a thread of its own),
+    which reads the answers."""
+
+    def __init__(self, link: HostLink):
+        self.link, self.loop = link, asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.call(link.batcher, SimpleNamespace(name="double"), None)
+
+    def call(self, function, *args):
+        async def on_loop():
+            return function(*args)
+        return asyncio.run_coroutine_threadsafe(on_loop(), self.loop).result(10)
+
+    def submit(self, model: str, inputs: dict, rows: int):
+        return self.call(self.link.submit, model, inputs, rows)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+        self.link.close()
 
 
 def _hang_up(connection) -> None:
@@ -180,7 +207,7 @@ def test_refusals_keep_their_status_and_reason(host):
 
 def test_a_model_process_that_goes_away_answers_503(tmp_path):
     ours, theirs = multiprocessing.Pipe()
-    link = HostLink(theirs, tmp_path, "w0")
+    link = OnLoop(HostLink(theirs, tmp_path, "w0"))
     waiting = link.submit("double", request(1, 0), 1)  # nobody answers it
     ours.close()
     with pytest.raises(RequestError) as refused:
