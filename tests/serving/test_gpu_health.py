@@ -6,12 +6,14 @@ works, or on the CPU, only answers its requests with 500.
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import multiprocessing
 import queue
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -113,10 +115,15 @@ def test_the_model_process_finishes_and_exits_3_once_a_gpu_context_is_lost(monke
     ours, theirs = multiprocessing.Pipe()
     statuses = []
 
+    async def ask() -> None:  # as a worker asks: from its event loop, which reads the answers
+        link = HostLink(theirs, tmp_path, "w0")
+        link.batcher(SimpleNamespace(name="embed"), None)
+        await asyncio.wrap_future(link.submit("embed", {"x": np.ones((1, 3), np.float32)}, 1))
+
     def worker() -> None:
         theirs.recv()  # the models, once warm
         try:
-            HostLink(theirs, tmp_path, "w0").submit("embed", {"x": np.ones((1, 3), np.float32)}, 1).result(timeout=10)
+            asyncio.run(asyncio.wait_for(ask(), 10))
         except RequestError as error:
             statuses.append(error.status)
         theirs.close()
