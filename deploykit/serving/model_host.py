@@ -184,6 +184,9 @@ class HostLink:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
             self._loop.add_reader(self.connection.fileno(), self._receive)
+            # uvloop's add_reader makes the descriptor non-blocking, where recv would then fail
+            # (BlockingIOError) on an answer that is still being written: keep it blocking
+            os.set_blocking(self.connection.fileno(), True)
         return RemoteBatcher(self, model.name)
 
     def submit(self, model: str, inputs: dict[str, np.ndarray], rows: int) -> Future:

@@ -79,8 +79,8 @@ class OnLoop:
     """A HostLink driven as a worker drives it, from its event loop (here on a thread of its own),
     which reads the answers."""
 
-    def __init__(self, link: HostLink):
-        self.link, self.loop = link, asyncio.new_event_loop()
+    def __init__(self, link: HostLink, new_loop=asyncio.new_event_loop):
+        self.link, self.loop = link, new_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.call(link.batcher, SimpleNamespace(name="double"), None)
@@ -106,6 +106,10 @@ def _hang_up(connection) -> None:
     with socket.socket(fileno=os.dup(connection.fileno())) as end:
         end.shutdown(socket.SHUT_RDWR)
     connection.close()
+
+
+def ram_disk_full(*_):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def request(rows: int, seed: int) -> dict[str, np.ndarray]:
@@ -181,17 +185,41 @@ def test_free_buffers_past_the_budget_are_given_back_and_forgotten(tmp_path):
 
 def test_a_full_ram_disk_sends_tensors_through_the_pipe_and_says_so_once(host, monkeypatch, caplog, tmp_path):
     link, _, _ = host
-
-    def full(*_):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(os, "posix_fallocate", ram_disk_full)
     with caplog.at_level(logging.WARNING, "deploykit.serve"):
         for seed in range(3):
             inputs = request(2, seed)
             np.testing.assert_array_equal(link.submit("double", inputs, 2).result(timeout=10)["y"], inputs["x"] * 2)
     assert caplog.text.count("no shared memory for a request buffer") == 1 and "No space left" in caplog.text
     assert not list(tmp_path.iterdir())  # nothing half-made is left
+
+
+def test_answers_larger_than_the_pipe_holds_arrive_on_uvloop(tmp_path, monkeypatch):
+    """uvicorn's uvloop makes a descriptor it watches non-blocking, where reading an answer still being
+    written failed and the worker took the model process for gone (seen on a GPU at 64 connections)."""
+    uvloop = pytest.importorskip("uvloop")
+    runner = Doubler()
+    model = ServedModel("double", Path("double"), [runner], ["cpu"], max_batch=8, buckets=[], allow_nan=False)
+    batcher = Batcher(model, max_delay_s=0, max_queue=4, metrics=Metrics())
+    ours, theirs = multiprocessing.Pipe()
+    outbox = Outbox()
+    answering = threading.Thread(target=serve_workers, args=([ours], {"double": batcher}, outbox), daemon=True)
+    answering.start()
+    monkeypatch.setattr(os, "posix_fallocate", ram_disk_full)
+    link = OnLoop(HostLink(theirs, tmp_path, "w0"), uvloop.new_event_loop)  # tensors through the pipe, both ways
+    try:
+        assert os.get_blocking(theirs.fileno())
+        for seed in range(4):
+            inputs = {"x": np.random.default_rng(seed).standard_normal((4, 1 << 18)).astype(np.float32),
+                      "ids": np.arange(4)}  # 4 MB each way
+            np.testing.assert_array_equal(link.submit("double", inputs, 4).result(timeout=10)["y"], inputs["x"] * 2)
+    finally:
+        link.close()
+        _hang_up(theirs)
+        answering.join(10)
+        batcher.close()
+        outbox.close()
+        ours.close()
 
 
 def test_refusals_keep_their_status_and_reason(host):
