@@ -8,6 +8,7 @@ staging a GPU runner's batches are assembled in.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import multiprocessing
@@ -55,9 +56,10 @@ class Doubler:
         pass
 
 
-@pytest.fixture
-def host(tmp_path):
-    """A model process's side (a batcher over Doubler, answering on a thread) and a worker's link to it."""
+@contextlib.contextmanager
+def linked(folder: Path, new_loop=asyncio.new_event_loop):
+    """A model process's side (a batcher over Doubler, answering on a thread) and a worker's link to it
+    on an event loop made by ``new_loop``: ``(link, runner, the model side's end of the pipe)``."""
     runner = Doubler()
     model = ServedModel("double", Path("double"), [runner], ["cpu"], max_batch=8, buckets=[], allow_nan=False)
     batcher = Batcher(model, max_delay_s=0, max_queue=4, metrics=Metrics())
@@ -65,14 +67,22 @@ def host(tmp_path):
     outbox = Outbox()
     answering = threading.Thread(target=serve_workers, args=([ours], {"double": batcher}, outbox), daemon=True)
     answering.start()
-    link = OnLoop(HostLink(theirs, tmp_path, "w0"))
-    yield link, runner, ours
-    link.close()
-    _hang_up(theirs)
-    answering.join(10)
-    batcher.close()
-    outbox.close()
-    ours.close()
+    link = OnLoop(HostLink(theirs, folder, "w0"), new_loop)
+    try:
+        yield link, runner, ours
+    finally:
+        link.close()
+        _hang_up(theirs)
+        answering.join(10)
+        batcher.close()
+        outbox.close()
+        ours.close()
+
+
+@pytest.fixture
+def host(tmp_path):
+    with linked(tmp_path) as linked_host:
+        yield linked_host
 
 
 class OnLoop:
@@ -198,28 +208,13 @@ def test_answers_larger_than_the_pipe_holds_arrive_on_uvloop(tmp_path, monkeypat
     """uvicorn's uvloop makes a descriptor it watches non-blocking, where reading an answer still being
     written failed and the worker took the model process for gone (seen on a GPU at 64 connections)."""
     uvloop = pytest.importorskip("uvloop")
-    runner = Doubler()
-    model = ServedModel("double", Path("double"), [runner], ["cpu"], max_batch=8, buckets=[], allow_nan=False)
-    batcher = Batcher(model, max_delay_s=0, max_queue=4, metrics=Metrics())
-    ours, theirs = multiprocessing.Pipe()
-    outbox = Outbox()
-    answering = threading.Thread(target=serve_workers, args=([ours], {"double": batcher}, outbox), daemon=True)
-    answering.start()
-    monkeypatch.setattr(os, "posix_fallocate", ram_disk_full)
-    link = OnLoop(HostLink(theirs, tmp_path, "w0"), uvloop.new_event_loop)  # tensors through the pipe, both ways
-    try:
-        assert os.get_blocking(theirs.fileno())
+    monkeypatch.setattr(os, "posix_fallocate", ram_disk_full)  # tensors through the pipe, both ways
+    with linked(tmp_path, uvloop.new_event_loop) as (link, _, _):
+        assert os.get_blocking(link.link.connection.fileno())
         for seed in range(4):
             inputs = {"x": np.random.default_rng(seed).standard_normal((4, 1 << 18)).astype(np.float32),
                       "ids": np.arange(4)}  # 4 MB each way
             np.testing.assert_array_equal(link.submit("double", inputs, 4).result(timeout=10)["y"], inputs["x"] * 2)
-    finally:
-        link.close()
-        _hang_up(theirs)
-        answering.join(10)
-        batcher.close()
-        outbox.close()
-        ours.close()
 
 
 def test_refusals_keep_their_status_and_reason(host):

@@ -20,25 +20,15 @@ pytest.importorskip("fastapi")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 grpc = pytest.importorskip("grpc")
 
-import converted_bundles  # noqa: E402
 from deploykit_cli import cli_env  # noqa: E402
 from serving import grpc_url, metric_samples, running_server  # noqa: E402
 from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-import deploykit  # noqa: E402
 
 MODEL = "tabular"
 
 
-@pytest.fixture(scope="module")
-def bundle():
-    return converted_bundles.converted(MODEL)
-
-
-@pytest.fixture(scope="module")
-def reference(bundle):
-    return deploykit.load(bundle, device="cpu").run
 
 
 @pytest.fixture(scope="module")

@@ -24,16 +24,6 @@ import deploykit  # noqa: E402
 MODEL = "tabular"
 
 
-@pytest.fixture(scope="module")
-def bundle():
-    return converted_bundles.converted(MODEL)
-
-
-@pytest.fixture(scope="module")
-def reference(bundle):
-    """The outputs ``deploykit.load`` gives for some rows: what the server must return."""
-    runner = deploykit.load(bundle, device="cpu")
-    return runner.run
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-import converted_bundles  # noqa: E402
 from serving import get, post, running_server  # noqa: E402
 
 import deploykit  # noqa: E402
@@ -33,10 +32,6 @@ def body(seed: int = 0, rows: int = 1) -> tuple[bytes, np.ndarray]:
                            "data": features.ravel().tolist()}]}
     return json.dumps(request).encode(), features
 
-
-@pytest.fixture(scope="module")
-def bundle():
-    return converted_bundles.converted(MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("tritonclient.http")
 
-import converted_bundles  # noqa: E402
 from deploykit_cli import cli_env  # noqa: E402
 from serving import infer_features, metric_samples, running_server  # noqa: E402
 
@@ -28,10 +27,6 @@ import deploykit  # noqa: E402
 
 MODEL = "tabular"
 
-
-@pytest.fixture(scope="module")
-def bundle():
-    return converted_bundles.converted(MODEL)
 
 
 def infer(url: str, features: np.ndarray) -> np.ndarray:
