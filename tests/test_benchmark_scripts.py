@@ -23,29 +23,32 @@ def test_a_benchmark_script_answers_help_with_its_usage(script):
 
 
 def test_the_serve_against_triton_summary_pairs_levels_and_plots(tmp_path):
-    """summarize_issue25.py: each serve row divided by Triton's at the same model and concurrency,
+    """summarize_issue25.py: each serve row divided by Triton's at the same model, protocol and concurrency,
     a level without numbers kept with its failure, GPU busy from the samples after the first second."""
     import json
 
-    def level(server, concurrency, throughput, failure=None, busy=None):
+    def level(server, concurrency, throughputs, failure=None, busy=None):
+        """One level's folder; ``throughputs``: by protocol, each protocol's run of perf_analyzer."""
         folder = tmp_path / f"{server}-resnet50" / f"c{concurrency}"
         folder.mkdir(parents=True)
-        result = {"protocol": "http", "concurrency": concurrency, "throughput": throughput, "p50_ms": 1.0,
-                  "p95_ms": 2.0, "p99_ms": 3.0, "errors": 0 if failure is None else 2, "failure": failure}
-        (folder / "perf_analyzer.json").write_text(json.dumps({"results": [result]}))
+        results = [{"protocol": protocol, "concurrency": concurrency, "throughput": throughput, "p50_ms": 1.0,
+                    "p95_ms": 2.0, "p99_ms": 3.0, "errors": 0 if failure is None else 2, "failure": failure}
+                   for protocol, throughput in throughputs.items()]
+        (folder / "perf_analyzer.json").write_text(json.dumps({"results": results}))
         if busy:
             (folder / "busy.txt").write_text("\n".join(map(str, busy)))
 
-    level("serve", 16, 3000.0, busy=[0, 0, 0, 0, 0, 90, 80])
-    level("triton", 16, 1000.0)
-    level("serve", 128, None, failure="Thread [0] had error")
-    level("triton", 128, 1200.0)
+    level("serve", 16, {"http": 3000.0, "grpc": 2000.0}, busy=[0, 0, 0, 0, 0, 90, 80])
+    level("triton", 16, {"http": 1000.0, "grpc": 4000.0})
+    level("serve", 128, {"http": None}, failure="Thread [0] had error")
+    level("triton", 128, {"http": 1200.0})
     done = subprocess.run([sys.executable, str(BENCHMARKS / "summarize_issue25.py"), str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("| resnet50")]
-    assert rows[0] == "| resnet50 | serve | 16 | 3000 | 1.00 | 2.00 | 3.00 | 0 | 85 | 3.00 |"
-    assert rows[1].startswith("| resnet50 | serve | 128 |  |") and rows[1].endswith("| 2 |  |  | Thread [0] had error")
+    assert rows[0] == "| resnet50 | serve | http | 16 | 3000 | 1.00 | 2.00 | 3.00 | 0 | 85 | 3.00 |"
+    assert rows[1] == "| resnet50 | serve | grpc | 16 | 2000 | 1.00 | 2.00 | 3.00 | 0 | 85 | 0.50 |"  # against gRPC
+    assert rows[2].startswith("| resnet50 | serve | http | 128 |  |") and rows[2].endswith("| 2 |  |  | Thread [0] had error")
     assert (tmp_path / "throughput_p99.png").stat().st_size > 0
 
 
@@ -64,8 +67,8 @@ def test_the_summary_of_several_rounds_takes_medians(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("| tiny")]
-    assert rows == ["| tiny | serve | 8 | 280 | 2.00 | 2.00 | 20.00 | 3 |  | 1.40 | 100-300 (3) |",
-                    "| tiny | triton | 8 | 200 | 2.00 | 2.00 | 20.00 | 3 |  |  | 190-210 (3) |"]
+    assert rows == ["| tiny | serve | http | 8 | 280 | 2.00 | 2.00 | 20.00 | 3 |  | 1.40 | 100-300 (3) |",
+                    "| tiny | triton | http | 8 | 200 | 2.00 | 2.00 | 20.00 | 3 |  |  | 190-210 (3) |"]
 
 
 def test_perf_analyzer_measures_a_level_whose_p99_never_settles_again_on_mean_latency(tmp_path):
