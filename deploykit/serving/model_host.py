@@ -82,14 +82,14 @@ class Buffer:
 class SharedBuffers:
     """One worker's request buffers: files in ``folder`` that it writes tensors into and the model
     process maps. A free buffer is reused for the next request it fits; more than ``keep`` bytes of
-    free buffers are given back (``forget(path)`` tells the model process to drop its mapping)."""
+    free buffers are given back (``forget(path)`` tells the model process to drop its mapping). Used
+    from the worker's event loop alone, as its HostLink is."""
 
     smallest = 1 << 20
 
     def __init__(self, folder: Path | None, prefix: str, forget, keep: int = 64 << 20):
         self.folder, self.prefix, self.forget, self.keep = folder, prefix, forget, keep
         self._free: list[Buffer] = []
-        self._lock = threading.Lock()
         self._names = itertools.count()
         self._full_noted = False
 
@@ -109,31 +109,28 @@ class SharedBuffers:
         """A buffer whose request was answered (the model process no longer reads it)."""
         if buffer is None:
             return
-        with self._lock:
-            self._free.append(buffer)
-            if sum(b.size for b in self._free) <= self.keep:
-                return
-            self._free.remove(buffer)
+        self._free.append(buffer)
+        if sum(b.size for b in self._free) <= self.keep:
+            return
+        self._free.remove(buffer)
         self.forget(buffer.path)
         buffer.memory.close()
         with contextlib.suppress(OSError):
             os.unlink(buffer.path)
 
     def close(self) -> None:
-        with self._lock:
-            for buffer in self._free:
-                buffer.memory.close()
-                with contextlib.suppress(OSError):
-                    os.unlink(buffer.path)
-            self._free.clear()
+        for buffer in self._free:
+            buffer.memory.close()
+            with contextlib.suppress(OSError):
+                os.unlink(buffer.path)
+        self._free.clear()
 
     def _take(self, size: int) -> Buffer | None:
-        with self._lock:
-            fitting = [b for b in self._free if b.size >= size]
-            if fitting:
-                chosen = min(fitting, key=lambda b: b.size)
-                self._free.remove(chosen)
-                return chosen
+        fitting = [b for b in self._free if b.size >= size]
+        if fitting:
+            chosen = min(fitting, key=lambda b: b.size)
+            self._free.remove(chosen)
+            return chosen
         return self._create(max(self.smallest, 1 << (size - 1).bit_length()))
 
     def _create(self, size: int) -> Buffer | None:
