@@ -102,3 +102,18 @@ with open(args[args.index("-f") + 1], "w") as report:
     assert unsettled["stable_on"] == "mean" and unsettled["failure"] is None
     assert (unsettled["throughput"], unsettled["p99_ms"]) == (4000.0, 70.0)
     assert "Failed to obtain stable measurement" in (tmp_path / "unstable" / "http-c256.log").read_text()
+
+
+def test_the_model_process_ceiling_drives_the_real_model_process(tmp_path):
+    """model_process_ceiling.py: a client process sends requests through HostLink to run_model_process and
+    the table counts answered requests; a model process that answered none would print 0 requests/s."""
+    import converted_bundles
+
+    bundle = converted_bundles.converted("tabular")
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "model_process_ceiling.py"), str(bundle), "--seconds", "1",
+                           "--rounds", "1", "--in-flight", "4", "--max-batch", "4"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| 1 |"))
+    requests_per_second = float(row.split("|")[2].replace(",", ""))
+    assert requests_per_second > 10, done.stdout
