@@ -181,20 +181,15 @@ def parse_infer(request: pb.ModelInferRequest, specs: list[dict]) -> protocol.In
     wanted = {spec["name"]: spec for spec in specs}
     inputs = {}
     for index, entry in enumerate(request.inputs):
-        if entry.name in inputs:
-            raise bad(f"input {entry.name} is given twice")
         shape, dtype = protocol.check_input(entry.name, list(entry.shape), entry.datatype, wanted)
-        inputs[entry.name] = (_raw_tensor(entry.name, index, raw[index], shape, dtype) if raw
-                              else _typed_tensor(entry, shape, dtype))
+        protocol.add_input(inputs, entry.name, _raw_tensor(entry.name, index, raw[index], shape, dtype) if raw
+                           else _typed_tensor(entry, shape, dtype))
     outputs = [output.name for output in request.outputs] or None
     return protocol.InferRequest(request.id or None, inputs, outputs, {"*"})
 
 
 def _raw_tensor(name: str, index: int, raw: bytes, shape: tuple, dtype: np.dtype) -> np.ndarray:
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if len(raw) != expected:
-        raise bad(f"input {name}: raw_input_contents[{index}] has {len(raw)} bytes, its shape and datatype take "
-                  f"{expected}")
+    protocol.check_byte_count(name, f"raw_input_contents[{index}]", len(raw), shape, dtype)
     return protocol.tensor_from_bytes(raw, shape, dtype)
 
 

@@ -70,9 +70,7 @@ def parse_infer(body: bytes, header_length: str | None, specs: list[dict]) -> In
     inputs, offset = {}, 0
     for entry in entries:
         name, array, offset = _input_tensor(entry, blobs, offset, wanted)
-        if name in inputs:
-            raise bad(f"input {name} is given twice")
-        inputs[name] = array
+        add_input(inputs, name, array)
     if offset != len(blobs):
         raise bad(f"{len(blobs) - offset} bytes after the binary inputs: binary_data_size must add up to the "
                   "bytes after the JSON header")
@@ -119,12 +117,24 @@ def _input_tensor(entry, blobs: memoryview, offset: int, wanted: dict) -> tuple[
     size = (entry.get("parameters") or {}).get("binary_data_size")
     if size is None:
         return name, _json_tensor(name, shape, dtype, entry.get("data")), offset
-    expected = math.prod(shape) * dtype.itemsize
-    if not isinstance(size, int) or size != expected:
-        raise bad(f"input {name}: binary_data_size is {size}, its shape and datatype take {expected} bytes")
+    check_byte_count(name, "binary_data_size", size, shape, dtype)
     if offset + size > len(blobs):
         raise bad(f"input {name}: the body ends {offset + size - len(blobs)} bytes before its binary data does")
     return name, tensor_from_bytes(blobs, shape, dtype, offset), offset + size
+
+
+def add_input(inputs: dict[str, np.ndarray], name: str, array: np.ndarray) -> None:
+    """``array`` as input ``name`` of a request, refused where the request names that input twice."""
+    if name in inputs:
+        raise bad(f"input {name} is given twice")
+    inputs[name] = array
+
+
+def check_byte_count(name: str, what: str, size, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """A binary tensor's byte count (``what`` says where the request gives it) against its shape and datatype."""
+    expected = math.prod(shape) * dtype.itemsize
+    if isinstance(size, bool) or not isinstance(size, int) or size != expected:
+        raise bad(f"input {name}: {what} is {size} bytes, its shape and datatype take {expected}")
 
 
 def check_input(name: str, shape, datatype, wanted: dict) -> tuple[tuple[int, ...], np.dtype]:

@@ -39,6 +39,17 @@ def test_json_integers_must_be_exact():
     assert protocol.parse_infer(json.dumps(request).encode(), None, SPECS).inputs["ids"].tolist() == [[1, 2, 3]]
 
 
+def test_binary_sizes_and_repeated_inputs_are_refused():
+    ids = np.arange(3, dtype=np.int64).reshape(1, 3)
+    header = {"inputs": [{"name": "ids", "shape": [1, 3], "datatype": "INT64", "parameters": {"binary_data_size": 23}}]}
+    text = json.dumps(header)
+    with pytest.raises(RequestError, match="binary_data_size is 23 bytes, its shape and datatype take 24"):
+        protocol.parse_infer(text.encode() + ids.tobytes(), str(len(text)), SPECS)
+    twice = {"inputs": [{"name": "ids", "shape": [1, 3], "datatype": "INT64", "data": [1, 2, 3]}] * 2}
+    with pytest.raises(RequestError, match="input ids is given twice"):
+        protocol.parse_infer(json.dumps(twice).encode(), None, SPECS)
+
+
 def test_response_read_by_tritonclient():
     tritonhttp = pytest.importorskip("tritonclient.http")
     request = protocol.InferRequest("7", {}, ["a", "b"], {"b"})

@@ -152,15 +152,19 @@ def test_bad_requests_get_their_status_and_the_server_stays_up(client, reference
                                   reference(features=features)["output_0"])
 
 
-def test_raw_contents_must_match_the_inputs(url):
+def test_raw_contents_must_match_the_inputs_and_name_each_once(url):
     request = service_pb2.ModelInferRequest(model_name=MODEL, raw_input_contents=[b"\0" * 51])
     request.inputs.add(name="features", datatype="FP32", shape=[1, 13])
+    count = service_pb2.ModelInferRequest(model_name=MODEL, raw_input_contents=[b"\0" * 52] * 2)
+    count.inputs.add(name="features", datatype="FP32", shape=[1, 13])
     twice = service_pb2.ModelInferRequest(model_name=MODEL, raw_input_contents=[b"\0" * 52] * 2)
-    twice.inputs.add(name="features", datatype="FP32", shape=[1, 13])
+    for _ in range(2):
+        twice.inputs.add(name="features", datatype="FP32", shape=[1, 13])
     with grpc.insecure_channel(url) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-        for bad, message in ((request, "raw_input_contents[0] has 51 bytes, its shape and datatype take 52"),
-                             (twice, "raw_input_contents has 2 entries for 1 inputs")):
+        for bad, message in ((request, "raw_input_contents[0] is 51 bytes, its shape and datatype take 52"),
+                             (count, "raw_input_contents has 2 entries for 1 inputs"),
+                             (twice, "input features is given twice")):
             with pytest.raises(grpc.RpcError) as error:
                 stub.ModelInfer(bad)
             assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in error.value.details()
