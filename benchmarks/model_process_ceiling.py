@@ -6,7 +6,7 @@ Its Python threads share one GIL. On a GPU host, where the workers and the cores
 is what limits the requests a second. This script measures it alone. The real model process serves BUNDLE.
 C client processes each stand in for an HTTP worker: each runs the worker's real ``HostLink`` on an event
 loop and keeps F requests of one row each in flight, with no parsing. Give a near-free model
-(``ab_serve_cpu.sh``'s pool bundle) to see the model process's own cost per request:
+(``ab_serve.sh``'s pool bundle) to see the model process's own cost per request:
 
     python benchmarks/model_process_ceiling.py BUNDLE [--clients 1] [--in-flight 64] [--seconds 10] [--rounds 3]
 
