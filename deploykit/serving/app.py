@@ -26,7 +26,6 @@ from deploykit.serving.batching import Batcher
 from deploykit.serving.metrics import Metrics
 from deploykit.serving.models import ServedModel
 from deploykit.serving.protocol import RequestError
-from deploykit.serving.requests import UNKNOWN
 from deploykit.versions import deploykit_version
 
 #: Paths answered without a token: orchestrators probe them without credentials.
@@ -234,13 +233,13 @@ class AuthAndAccessLog:
                 _log_access(scope, headers, message["status"], request_id, started)
             await send(message)
 
-        if (self.token is not None and scope["path"] not in OPEN_PATHS
-                and not access.authorized(headers.get("authorization"), self.token)):
-            self.metrics.errors.labels(UNKNOWN, "unauthorized").inc()
-            refusal = RequestError(401, access.UNAUTHORIZED, "unauthorized", {"WWW-Authenticate": "Bearer"})
+        try:
+            if scope["path"] not in OPEN_PATHS:
+                requests.check_token(self.metrics, headers.get("authorization"), self.token)
+        except RequestError as refusal:
             await error_response(refusal)(scope, receive, send_with_id)
-        else:
-            await self.app(scope, receive, send_with_id)
+            return
+        await self.app(scope, receive, send_with_id)
 
 
 def error_response(error: RequestError) -> JSONResponse:

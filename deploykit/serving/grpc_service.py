@@ -95,10 +95,8 @@ def _rpc(*, open_to_all: bool = False):
             context.set_trailing_metadata((("x-request-id", request_id),))
             status = 200
             try:
-                if not (open_to_all or self.token is None or access.authorized(metadata.get("authorization"),
-                                                                               self.token)):
-                    self.metrics.errors.labels(requests.UNKNOWN, "unauthorized").inc()
-                    raise RequestError(401, access.UNAUTHORIZED, "unauthorized")
+                if not open_to_all:
+                    requests.check_token(self.metrics, metadata.get("authorization"), self.token)
                 return await method(self, request, context)
             except RequestError as error:
                 status = error.status

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from deploykit.serving import protocol
+from deploykit.serving import access, protocol
 from deploykit.serving.models import ServedModel
 from deploykit.serving.protocol import RequestError
 
@@ -23,6 +23,15 @@ def find_model(served: dict[str, ServedModel], name: str, version: str | None) -
     if version not in (None, "", "1"):
         raise RequestError(404, f"model {name} has no version {version}; it serves version 1", "unknown_model")
     return model
+
+
+def check_token(metrics, authorization: str | None, token: str | None) -> None:
+    """A 401 refusal (counted in /metrics) unless ``authorization`` is ``Bearer <token>``; ``token``
+    None: the server asks for none."""
+    if token is None or access.authorized(authorization, token):
+        return
+    metrics.errors.labels(UNKNOWN, "unauthorized").inc()
+    raise RequestError(401, access.UNAUTHORIZED, "unauthorized", {"WWW-Authenticate": "Bearer"})
 
 
 async def infer(batcher, model: ServedModel, parse, connection, timeout_s: float):

@@ -29,8 +29,6 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 MODEL = "tabular"
 
 
-
-
 @pytest.fixture(scope="module")
 def server(bundle):
     """Two instances, runs padded to 4 rows (a batcher waits up to 20 ms for more), gRPC on a free port."""
