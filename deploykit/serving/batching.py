@@ -34,6 +34,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from deploykit.backends.base.feeds import random_inputs
+from deploykit.backends.base.memory import torch_to_host
 from deploykit.errors import BadInputError
 from deploykit.serving.gpu_health import lost_context, lost_message
 from deploykit.serving.models import ServedModel
@@ -55,10 +56,12 @@ class Pending:
 class Batcher:
     """The queue and workers of one model. ``submit`` returns a Future of its outputs."""
 
-    def __init__(self, model: ServedModel, max_delay_s: float, max_queue: int, metrics, on_lost=None):
-        """``on_lost(message)``: once, when a failed run on a GPU finds its CUDA context lost (``gpu_health``)."""
+    def __init__(self, model: ServedModel, max_delay_s: float, max_queue: int, metrics, on_lost=None,
+                 staging_for=PinnedStaging.for_runner):
+        """``on_lost(message)``: once, when a failed run on a GPU finds its CUDA context lost (``gpu_health``);
+        ``staging_for(runner, gpu)``: where a worker assembles its runner's batches (``staging``; None: numpy)."""
         self.model, self.max_delay, self.max_queue, self.metrics = model, max_delay_s, max_queue, metrics
-        self.on_lost = on_lost
+        self.on_lost, self.staging_for = on_lost, staging_for
         self._queue: collections.deque[Pending] = collections.deque()
         self._rows = 0  # the rows in _queue, kept as it changes: workers ask on every wake-up
         self._arriving = 0  # requests being read and parsed, which may still join a batch
@@ -67,8 +70,10 @@ class Batcher:
         self._ready = threading.Condition()
         self._closed = False
         self._warm = [threading.Event() for _ in model.runners]
-        self._workers = [threading.Thread(target=self._work, args=(runner, warm), name=f"{model.name}-{i}", daemon=True)
-                         for i, (runner, warm) in enumerate(zip(model.runners, self._warm))]
+        gpus = model.gpus or [None] * len(model.runners)
+        self._workers = [threading.Thread(target=self._work, args=(runner, gpu, warm), name=f"{model.name}-{i}",
+                                          daemon=True)
+                         for i, (runner, gpu, warm) in enumerate(zip(model.runners, gpus, self._warm))]
         for worker in self._workers:
             worker.start()
 
@@ -123,12 +128,12 @@ class Batcher:
         for warm in self._warm:
             warm.wait()
 
-    def _work(self, runner, warm: threading.Event) -> None:
+    def _work(self, runner, gpu: int | None, warm: threading.Event) -> None:
         try:
             self._warm_up(runner)
         finally:
             warm.set()
-        staging = PinnedStaging.for_runner(runner) if self.model.batching else None
+        staging = self.staging_for(runner, gpu) if self.model.batching else None
         while (batch := self._take()) is not None:
             if batch:
                 self._run(runner, batch, staging)
@@ -231,8 +236,14 @@ def run_rows(model: ServedModel, runner, requests: list[dict[str, np.ndarray]], 
     their rows concatenated in order (in ``staging``'s buffers when given) and padded up to the
     bucket, the outputs split back by request. ``deploykit serve``'s batcher and the Triton python
     model both run batches through here."""
-    outputs = runner.run(_batch_feeds(model, requests, sum(rows), staging))
-    return _split(model, outputs, rows)
+    feeds = _batch_feeds(model, requests, sum(rows), staging)
+    try:
+        outputs = runner.run(feeds)
+    except Exception:
+        if staging is not None:
+            staging.drain()
+        raise
+    return _split(model, _on_host(outputs), rows)
 
 
 def _batch_feeds(model: ServedModel, requests: list[dict[str, np.ndarray]], rows: int,
@@ -241,12 +252,11 @@ def _batch_feeds(model: ServedModel, requests: list[dict[str, np.ndarray]], rows
     if not model.batching:
         return requests[0]
     size = _bucket(model.buckets, rows)
+    if staging is not None:
+        return staging.feeds([spec["name"] for spec in model.inputs], requests, rows, size)
     feeds = {}
     for spec in model.inputs:
         parts = [inputs[spec["name"]] for inputs in requests]
-        if staging is not None:
-            feeds[spec["name"]] = staging.assemble(spec["name"], parts, rows, size)
-            continue
         if len(parts) == 1 and size == rows:
             feeds[spec["name"]] = parts[0]
             continue
@@ -255,6 +265,13 @@ def _batch_feeds(model: ServedModel, requests: list[dict[str, np.ndarray]], rows
         batch[rows:] = 0
         feeds[spec["name"]] = batch
     return feeds
+
+
+def _on_host(outputs: dict) -> dict:
+    """A run's outputs as numpy: a GPU batch (``DeviceStaging``) makes the runner answer with torch
+    tensors on the GPU; copying them here also waits for the run, after which the request buffers
+    its rows were copied from may be reused."""
+    return {name: value if isinstance(value, np.ndarray) else torch_to_host(value) for name, value in outputs.items()}
 
 
 def _bucket(buckets: list[int], rows: int) -> int:

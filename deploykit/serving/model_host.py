@@ -17,7 +17,9 @@ are spent once the batch ran) rather than pickled through the pipe: a BERT answe
 Shared memory is files in one folder on a RAM disk (``/dev/shm``), one per request buffer, reused
 across requests so that their pages are faulted in once. A buffer is allocated up front
 (``posix_fallocate``): where the RAM disk is full, the request's tensors travel through the pipe
-instead, never as a crash on a page that cannot be backed.
+instead, never as a crash on a page that cannot be backed. Where the models run on a GPU, the model
+process page-locks each buffer when it first maps it (``staging.HostRegistry``), so that a batch's
+rows go from the buffers the workers wrote them in straight to the GPU (``staging.DeviceStaging``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from deploykit.serving.protocol import RequestError
+from deploykit.serving.staging import DeviceStaging, HostRegistry
 
 log = logging.getLogger("deploykit.serve")
 #: Alignment of each tensor in a request buffer: our kernels refuse misaligned pointers.
@@ -338,9 +341,10 @@ def _packed(request: int, answer, buffer: mmap.mmap | None) -> tuple:
     return request, "shm", layout
 
 
-def serve_workers(connections: list, batchers: dict, outbox: Outbox) -> None:
+def serve_workers(connections: list, batchers: dict, outbox: Outbox, registry: HostRegistry | None = None) -> None:
     """Answer the workers' requests until each has closed its pipe; each runs in its model's batcher.
-    One thread reads every pipe: a thread per worker would only contend for the GIL."""
+    One thread reads every pipe: a thread per worker would only contend for the GIL. ``registry``:
+    where the models run on a GPU, each request buffer is page-locked when first mapped."""
     mapped: dict[str, mmap.mmap] = {}  # buffer paths are unique across workers (``w<index>-<n>``)
     live = list(connections)
     while live:
@@ -351,10 +355,12 @@ def serve_workers(connections: list, batchers: dict, outbox: Outbox) -> None:
                 live.remove(connection)
                 continue
             if message[0] == "forget":
-                mapped.pop(message[1], None)  # unmapped once the last array viewing it is gone
+                memory = mapped.pop(message[1], None)  # unmapped once the last array viewing it is gone
+                if memory is not None and registry is not None:
+                    registry.remove(memory)
                 continue
             _, request, name, tensors, rows = message
-            arrays, buffer = _arrays(tensors, mapped)
+            arrays, buffer = _arrays(tensors, mapped, registry)
             try:
                 future = batchers[name].submit(arrays, rows)
             except RequestError as error:
@@ -368,8 +374,9 @@ def _answer(outbox: Outbox, connection, request: int, buffer: mmap.mmap | None, 
     outbox.put(connection, request, done.exception() or done.result(), buffer)
 
 
-def _arrays(tensors: tuple, mapped: dict[str, mmap.mmap]) -> tuple[dict[str, np.ndarray], mmap.mmap | None]:
-    """A request's arrays, and its mapped buffer where it came in one."""
+def _arrays(tensors: tuple, mapped: dict[str, mmap.mmap],
+            registry: HostRegistry | None = None) -> tuple[dict[str, np.ndarray], mmap.mmap | None]:
+    """A request's arrays, and its mapped buffer where it came in one (page-locked by ``registry``)."""
     kind, *where = tensors
     if kind == "inline":
         return where[0], None
@@ -378,6 +385,8 @@ def _arrays(tensors: tuple, mapped: dict[str, mmap.mmap]) -> tuple[dict[str, np.
     if memory is None:
         with open(path, "r+b") as file:
             memory = mapped[path] = mmap.mmap(file.fileno(), 0)
+        if registry is not None:
+            registry.add(memory)
     return _read(memory, layout), memory
 
 
@@ -409,7 +418,10 @@ def run_model_process(paths, options, limits, connections, events) -> None:
         lost.append(message)
         stopping.set()
 
-    batchers = {model.name: Batcher(model, limits.max_delay_ms / 1e3, limits.max_queue, metrics, on_lost=stop_lost)
+    registry = HostRegistry.for_models(models)
+    staging_for = functools.partial(DeviceStaging.for_runner, registry=registry)
+    batchers = {model.name: Batcher(model, limits.max_delay_ms / 1e3, limits.max_queue, metrics, on_lost=stop_lost,
+                                    staging_for=staging_for)
                 for model in models}
     for batcher in batchers.values():
         batcher.wait_warm()
@@ -417,7 +429,8 @@ def run_model_process(paths, options, limits, connections, events) -> None:
     for connection in connections:
         connection.send(views)
     outbox = Outbox()
-    answering = threading.Thread(target=serve_workers, args=(connections, batchers, outbox), daemon=True)
+    answering = threading.Thread(target=serve_workers, args=(connections, batchers, outbox, registry),
+                                 daemon=True)
     answering.start()
     events.put(("models", None, [(model.name, model.notes, model_summary(model)) for model in models]))
     while not stopping.is_set() and answering.is_alive():

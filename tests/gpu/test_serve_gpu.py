@@ -76,3 +76,78 @@ def test_one_instance_per_gpu(bundle):
     result = run_deploykit("serve", bundle, "--device", f"cuda:{count}")
     assert result.returncode == 2 and f"this process sees {count} GPU(s)" in result.stderr
 
+
+
+@pytest.fixture
+def shared_buffer(tmp_path):
+    """A 4 MiB request buffer mapped from the RAM disk, as ``serve --workers`` makes them (the driver
+    refuses to page-lock a mapping of a file on a disk)."""
+    import mmap
+    import os
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="deploykit-test-", dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp_path)
+    path = os.path.join(folder, "buffer")
+    with open(path, "wb") as file:
+        file.truncate(4 << 20)
+    with open(path, "r+b") as file:
+        memory = mmap.mmap(file.fileno(), 0)
+    yield memory
+    os.unlink(path)
+    os.rmdir(folder)
+
+
+def test_batches_go_to_the_gpu_from_page_locked_shared_memory(shared_buffer):
+    """Rows DMA'd from a page-locked shared-memory buffer into the GPU batch equal numpy's
+    concatenation, padding rows that held data are zero again; rows in pageable memory are batched
+    on the host instead."""
+    from deploykit.serving.staging import DeviceStaging, HostRegistry
+
+    registry = HostRegistry(torch, 0)
+    staging = DeviceStaging(torch, torch.device("cuda", 0), registry)
+    registry.add(shared_buffer)
+    assert len(registry) == 1, "cudaHostRegister refused a shared-memory mapping"
+    rng = np.random.default_rng(0)
+    shared = np.ndarray((5, 3, 64, 128), np.float32, buffer=shared_buffer)
+    shared[:] = rng.standard_normal(shared.shape)
+    zeros = np.zeros((3, 3, 64, 128), np.float32)
+    batch = staging.feeds(["x"], [{"x": shared[:3]}, {"x": shared[3:]}], 5, 8)["x"]
+    assert batch.device == torch.device("cuda", 0)
+    np.testing.assert_array_equal(batch.cpu().numpy(), np.concatenate([shared, zeros]))
+    batch = staging.feeds(["x"], [{"x": shared[:1]}], 1, 4)["x"]
+    np.testing.assert_array_equal(batch.cpu().numpy(), np.concatenate([shared[:1], zeros]))
+    pageable = rng.standard_normal((2, 3, 64, 128)).astype(np.float32)
+    on_host = staging.feeds(["x"], [{"x": shared[:1]}, {"x": pageable}], 3, 4)["x"]
+    np.testing.assert_array_equal(on_host, np.concatenate([shared[:1], pageable, zeros[:1]]))
+    registry.remove(shared_buffer)
+    assert len(registry) == 0
+
+
+def test_a_gpu_batch_from_shared_memory_answers_as_the_runner_does(bundle, shared_buffer, monkeypatch):
+    """The model process's path for one batch: request rows in a page-locked buffer, batched on the
+    GPU (small rows let through here), run by ONNX Runtime's CUDA provider with CUDA inputs, the
+    outputs back on the host and split by request; equal to running each request alone."""
+    from pathlib import Path
+
+    from deploykit.serving import staging as staging_module
+    from deploykit.serving.batching import run_rows
+    from deploykit.serving.models import ServedModel
+    from deploykit.serving.staging import DeviceStaging, HostRegistry
+
+    monkeypatch.setattr(staging_module, "DMA_MIN_BYTES", 0)
+    runner = deploykit.load(bundle, backend="onnxruntime", device="cuda:0")
+    model = ServedModel(MODEL, Path(bundle), [runner], ["cuda:0"], max_batch=4, buckets=[1, 2, 4], allow_nan=False)
+    registry = HostRegistry(torch, 0)
+    registry.add(shared_buffer)
+    staging = DeviceStaging(torch, torch.device("cuda", 0), registry)
+    features = np.ndarray((3, 13), np.float32, buffer=shared_buffer, offset=4096)
+    features[:] = np.random.default_rng(1).standard_normal(features.shape)
+    requests = [{"features": features[:2]}, {"features": features[2:]}]
+    answers = run_rows(model, runner, requests, [2, 1], staging)
+    assert staging._on_device, "the batch was not assembled on the GPU"
+    for request, answer in zip(requests, answers):
+        expected = runner.run(features=np.array(request["features"]))
+        for name, value in expected.items():
+            assert isinstance(answer[name], np.ndarray)
+            np.testing.assert_allclose(answer[name], value, rtol=1e-5, atol=1e-6)
+    registry.remove(shared_buffer)

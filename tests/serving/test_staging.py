@@ -73,3 +73,117 @@ def test_copying_keeps_the_gil_where_numpy_lets_it_go():
     out = np.empty((32, 3, 224, 224), np.float32)
     assert counted_while(lambda: copy_rows(parts, out)) == 0  # np.concatenate lets it go 32 times
     np.testing.assert_array_equal(out, np.concatenate(parts))
+
+
+# Batches assembled on the GPU (``DeviceStaging``): its bookkeeping, checked here on the CPU ----------
+
+
+class Registered:
+    """A HostRegistry that holds the memory of the arrays it is given (nothing is page-locked here)."""
+
+    def __init__(self, *arrays: np.ndarray):
+        self.arrays = arrays
+
+    def holds(self, array: np.ndarray) -> bool:
+        return any(np.may_share_memory(array, held) for held in self.arrays)
+
+
+class CpuTorch:
+    """torch with the CPU for a GPU: page-locking asked for is left out (there is no driver here)."""
+
+    def __init__(self):
+        self.torch = pytest.importorskip("torch")
+
+    def __getattr__(self, name):
+        return getattr(self.torch, name)
+
+    def zeros(self, *shape, pin_memory=False, **options):
+        return self.torch.zeros(*shape, **options)
+
+
+def large_images(count: int, seed: int) -> np.ndarray:
+    """Images of 192 KB each: rows large enough to be worth a DMA transfer each."""
+    return np.random.default_rng(seed).standard_normal((count, 3, 128, 128)).astype(np.float32)
+
+
+def device_staging(registry):
+    from deploykit.serving.staging import DeviceStaging
+
+    torch = CpuTorch()
+    return DeviceStaging(torch, torch.device("cpu"), registry)
+
+
+def test_device_batches_pad_with_zero_rows_and_reuse_one_tensor():
+    first, second = large_images(3, 0), large_images(2, 1)
+    staging = device_staging(Registered(first, second, first[:1]))
+    full = staging.feeds(["x"], [{"x": first}, {"x": second}], 5, 8)["x"]
+    np.testing.assert_array_equal(full.numpy(), np.concatenate([first, second, np.zeros((3, 3, 128, 128), np.float32)]))
+    one = staging.feeds(["x"], [{"x": first[:1]}], 1, 4)["x"]
+    np.testing.assert_array_equal(one.numpy(), np.concatenate([first[:1], np.zeros((3, 3, 128, 128), np.float32)]))
+    assert one.data_ptr() == full.data_ptr()  # the same tensor, the stale rows zeroed
+
+
+def test_device_batches_only_from_page_locked_rows_of_image_size():
+    from deploykit.serving.staging import DMA_MIN_BYTES
+
+    locked, pageable = large_images(2, 0), large_images(2, 1)
+    tokens = np.arange(2 * 128, dtype=np.int64).reshape(2, 128)
+    assert tokens.nbytes < DMA_MIN_BYTES <= locked.nbytes
+    staging = device_staging(Registered(locked, tokens))
+    assert not isinstance(staging.feeds(["x"], [{"x": locked}], 2, 2)["x"], np.ndarray)
+    mixed = staging.feeds(["x"], [{"x": locked}, {"x": pageable}], 4, 4)["x"]  # on the host, as PinnedStaging does
+    assert isinstance(mixed, np.ndarray)
+    np.testing.assert_array_equal(mixed, np.concatenate([locked, pageable]))
+    assert isinstance(staging.feeds(["ids"], [{"ids": tokens}], 2, 2)["ids"], np.ndarray)
+
+
+class FakeCudart:
+    def __init__(self, status: int):
+        self.status, self.registered = status, []
+
+    def cudaHostRegister(self, address, size, flags):  # noqa: N802 - CUDA's name
+        self.registered.append((address, size, flags))
+        return self.status
+
+    def cudaHostUnregister(self, address):  # noqa: N802
+        self.registered = [entry for entry in self.registered if entry[0] != address]
+        return 0
+
+
+def fake_torch(cudart: FakeCudart):
+    import contextlib
+    from types import SimpleNamespace
+
+    return SimpleNamespace(cuda=SimpleNamespace(device=lambda _gpu: contextlib.nullcontext(), cudart=lambda: cudart))
+
+
+def test_registry_holds_arrays_viewing_a_registered_buffer_until_removed():
+    import mmap
+
+    from deploykit.serving.staging import HostRegistry
+
+    cudart = FakeCudart(0)
+    registry, memory = HostRegistry(fake_torch(cudart), 0), mmap.mmap(-1, 1 << 16)
+    view = np.ndarray((4, 8), np.float32, buffer=memory, offset=64)
+    assert not registry.holds(view)
+    registry.add(memory)
+    registry.add(memory)  # once per buffer
+    assert len(registry) == 1 and cudart.registered == [(np.frombuffer(memory, np.uint8).ctypes.data, 1 << 16, 1)]
+    assert registry.holds(view) and registry.holds(view[1:]) and not registry.holds(view.copy())
+    registry.remove(memory)
+    assert len(registry) == 0 and not cudart.registered and not registry.holds(view)
+
+
+def test_a_refusing_driver_is_said_once_and_nothing_is_held(caplog):
+    import mmap
+
+    from deploykit.serving.staging import HostRegistry
+
+    registry = HostRegistry(fake_torch(FakeCudart(1)), 0)
+    buffers = [mmap.mmap(-1, 4096) for _ in range(3)]
+    for memory in buffers:
+        registry.add(memory)
+    assert len(registry) == 0 and not registry.holds(np.frombuffer(buffers[0], np.uint8))
+    assert [record.message for record in caplog.records].count(
+        "cudaHostRegister of a request buffer failed (CUDA error 1): batches are assembled on the host, which holds "
+        "the model process's GIL longer") == 1
