@@ -22,6 +22,8 @@
 #          must be on PYTHONPATH (../shared/GPU.md). Log: $OUT/gpu-tests.log; in the background when BACKGROUND=1
 #          (then wait with STEPS=gputests-wait, which copies the log).
 # GPU busy %: nvidia-smi's utilization sampled every 200 ms during each concurrency level (busy.txt beside it).
+# Inside serve: its /metrics before and after each level (serve_metrics.py): the mean batch, queue wait, run and
+# time in the server, which summary.md sets beside perf_analyzer's latency.
 # PROFILE_LEVEL=N (with py-spy on PATH): every server process's Python stacks sampled for 10 s during level N
 # (py-spy-PID.txt beside its CSV; raw format: one line per distinct stack, then its sample count).
 # ROUNDS=N: the serve and triton steps repeated N times, one server after the other (results in roundK/;
@@ -164,10 +166,12 @@ sweep() {  # NAME MODEL HTTP_PORT GRPC_PORT SERVER_PID: perf_analyzer at each le
     if [ "${PROFILE_LEVEL:-}" = "$level" ] && command -v py-spy > /dev/null; then
       (sleep 5; profile "$dir" "$5") &
     fi
+    [[ $1 != serve-* ]] || python3 "$root/benchmarks/serve_metrics.py" snapshot "http://127.0.0.1:$3" "$dir/metrics-before.txt"
     # shellcheck disable=SC2086
     python3 "$root/benchmarks/perf_analyzer.py" "$2" $(endpoints "$3" "$4") --concurrency "$level" \
       --measurement-interval-ms ${INTERVAL_MS:-3000} --stability-percentage ${STABILITY:-10} ${shapes[${2%-*}]} --out "$dir" > "$dir/run.log" 2>&1
     [ -z "$sampler" ] || { kill $sampler; wait $sampler 2>/dev/null; }
+    [[ $1 != serve-* ]] || python3 "$root/benchmarks/serve_metrics.py" snapshot "http://127.0.0.1:$3" "$dir/metrics-after.txt"
     stamp "$1 c$level: $(tail -n 1 "$dir/run.log")"
   done
 }

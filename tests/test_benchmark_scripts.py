@@ -52,6 +52,52 @@ def test_the_serve_against_triton_summary_pairs_levels_and_plots(tmp_path):
     assert (tmp_path / "throughput_p99.png").stat().st_size > 0
 
 
+def metrics_text(observed: dict[str, tuple[float, float]]) -> str:
+    """Prometheus' text format of deploykit serve's histograms: ``{metric: (sum, count)}``, as two workers'
+    label sets (the multiprocess mode's sum is what ``/metrics`` shows, one series per label set)."""
+    lines = []
+    for metric, (total, count) in observed.items():
+        lines += [f"# HELP {metric} h", f"# TYPE {metric} histogram"]
+        for model, share in (("a", 0.25), ("b", 0.75)):
+            lines += [f'{metric}_bucket{{le="+Inf",model="{model}"}} {count * share}',
+                      f'{metric}_count{{model="{model}"}} {count * share}', f'{metric}_sum{{model="{model}"}} {total * share}']
+    return "\n".join(lines) + "\n"
+
+
+def test_where_serves_time_goes_between_two_snapshots(tmp_path):
+    """serve_metrics.py and summarize_issue25.py: the means of what serve's histograms observed during a level
+    (differences of sums over differences of counts, every label summed), in a second table; a level
+    without snapshots, or where nothing was observed, has none."""
+    import json
+
+    before = metrics_text({"deploykit_batch_size": (100, 10), "deploykit_queue_latency_seconds": (0.1, 100),
+                           "deploykit_run_latency_seconds": (0.05, 10), "deploykit_request_latency_seconds": (0.5, 100)})
+    after = metrics_text({"deploykit_batch_size": (740, 30), "deploykit_queue_latency_seconds": (1.38, 740),
+                          "deploykit_run_latency_seconds": (0.15, 30), "deploykit_request_latency_seconds": (6.9, 740)})
+    for concurrency, snapshots in ((64, (before, after)), (128, (after, after)), (256, None)):
+        folder = tmp_path / "serve-resnet50" / f"c{concurrency}"
+        folder.mkdir(parents=True)
+        result = {"protocol": "http", "concurrency": concurrency, "throughput": 5000.0, "p50_ms": 12.5, "p95_ms": 20.0,
+                  "p99_ms": 30.0, "errors": 0, "failure": None}
+        (folder / "perf_analyzer.json").write_text(json.dumps({"results": [result]}))
+        if snapshots:
+            (folder / "metrics-before.txt").write_text(snapshots[0])
+            (folder / "metrics-after.txt").write_text(snapshots[1])
+    compared = subprocess.run([sys.executable, str(BENCHMARKS / "serve_metrics.py"), "compare",
+                               str(tmp_path / "serve-resnet50/c64/metrics-before.txt"),
+                               str(tmp_path / "serve-resnet50/c64/metrics-after.txt")],
+                              capture_output=True, text=True, timeout=300)
+    assert compared.returncode == 0, compared.stderr
+    assert json.loads(compared.stdout) == pytest.approx({"rows_per_run": 32.0, "queue_ms": 2.0, "run_ms": 5.0,
+                                                          "in_server_ms": 10.0})
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "summarize_issue25.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    inside = done.stdout.split("| model | protocol | concurrency | rows per run |")[1].splitlines()
+    assert inside[2:] == ["| resnet50 | http | 64 | 32.0 | 2.00 | 5.00 | 10.00 | 12.50 |",
+                          "| resnet50 | http | 128 |  |  |  |  | 12.50 |"]
+
+
 def test_the_summary_of_several_rounds_takes_medians(tmp_path):
     """ROUNDS=N: each number is the median over the rounds, with the throughput's range and count."""
     import json
