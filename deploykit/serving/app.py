@@ -195,13 +195,25 @@ class InferRoute:
                      (protocol.HEADER_LENGTH.lower().encode(), str(header_length).encode())], body
 
     async def infer(self, model: ServedModel, headers: Headers, receive, connection) -> tuple[bytes, int | None]:
-        async def parse() -> protocol.InferRequest:
-            body = await read_body(receive, headers, self.limits.max_request_bytes)
-            return protocol.parse_infer(body, headers.get(protocol.HEADER_LENGTH.lower()), model.inputs)
+        batcher, header_length = self.batchers[model.name], headers.get(protocol.HEADER_LENGTH.lower())
+        with _body_buffer(batcher, headers, self.limits.max_request_bytes) as into:
+            async def parse() -> protocol.InferRequest:
+                body = await read_body(receive, headers, self.limits.max_request_bytes, into)
+                return protocol.parse_infer(body, header_length, model.inputs)
 
-        request, names, outputs = await requests.infer(self.batchers[model.name], model, parse, connection,
-                                                       self.limits.timeout_s)
+            request, names, outputs = await requests.infer(batcher, model, parse, connection, self.limits.timeout_s)
         return protocol.encode_response(model.name, request, names, outputs)
+
+
+def _body_buffer(batcher, headers: Headers, limit: int):
+    """The batcher's buffer for a body of binary tensors (``serve --workers``: shared memory, which the
+    tensors are then read from where they lie), where its length is declared and it is not compressed;
+    else a context of None (the body is read into memory of its own)."""
+    size, header_length = headers.get("content-length", ""), headers.get(protocol.HEADER_LENGTH.lower(), "")
+    if (not size.isdigit() or not header_length.isdigit() or not 0 < int(header_length) <= int(size) <= limit
+            or headers.get("content-encoding", "identity") != "identity"):
+        return contextlib.nullcontext()
+    return batcher.body_buffer(int(size), int(header_length))
 
 
 def _json_headers(extra: dict | None = None) -> list[tuple[bytes, bytes]]:
@@ -246,8 +258,9 @@ def error_response(error: RequestError) -> JSONResponse:
     return JSONResponse({"error": str(error)}, status_code=error.status, headers=error.headers)
 
 
-async def read_body(receive, headers: Headers, limit: int) -> bytes:
-    """The body, decompressed where the client says so, refused (413) as soon as it passes ``limit``."""
+async def read_body(receive, headers: Headers, limit: int, into: memoryview | None = None) -> bytes | memoryview:
+    """The body, decompressed where the client says so, refused (413) as soon as it passes ``limit``;
+    ``into``: a view of the body's declared length to read it into (``_body_buffer``), which is returned."""
     too_large = RequestError(413, f"the request is larger than {limit} bytes (--max-request-mb): send fewer "
                                   "rows per request", "too_large")
     declared = headers.get("content-length")
@@ -262,7 +275,14 @@ async def read_body(receive, headers: Headers, limit: int) -> bytes:
         size += len(chunk)
         if size > limit:
             raise too_large
-        chunks.append(chunk)
+        if into is None:
+            chunks.append(chunk)
+        elif size <= len(into):
+            into[size - len(chunk):size] = chunk
+    if into is not None:
+        if size != len(into):
+            raise protocol.bad(f"the body has {size} bytes where its Content-Length says {len(into)}")
+        return into
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     return _decompressed(body, headers.get("content-encoding"), limit, too_large)
 

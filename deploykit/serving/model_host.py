@@ -81,6 +81,10 @@ class Buffer:
     size: int
     memory: mmap.mmap
 
+    @functools.cached_property
+    def address(self) -> int:
+        return np.frombuffer(self.memory, np.uint8).ctypes.data
+
 
 class SharedBuffers:
     """One worker's request buffers: files in ``folder`` that it writes tensors into and the model
@@ -93,14 +97,40 @@ class SharedBuffers:
     def __init__(self, folder: Path | None, prefix: str, forget, keep: int = 64 << 20):
         self.folder, self.prefix, self.forget, self.keep = folder, prefix, forget, keep
         self._free: list[Buffer] = []
+        self._lent: list[Buffer] = []  # buffers a request's body is being read into
+        self._closing: list[mmap.mmap] = []  # given back while arrays of a finishing request still viewed them
         self._names = itertools.count()
         self._full_noted = False
 
+    @contextlib.contextmanager
+    def body(self, size: int, header_length: int):
+        """A writable view of ``size`` bytes in a buffer, to read a request's body into (None where no
+        buffer can be had). It starts where the binary tensors after the body's JSON header of
+        ``header_length`` bytes fall aligned, so that ``put`` finds them in place and copies nothing.
+        The buffer comes back here on exit unless ``put`` took it for the request."""
+        lead = -header_length % ALIGN
+        buffer = self._take(lead + size)
+        if buffer is None:
+            yield None
+            return
+        self._lent.append(buffer)
+        try:
+            yield memoryview(buffer.memory)[lead:lead + size]
+        finally:
+            if buffer in self._lent:
+                self._lent.remove(buffer)
+                self.release(buffer)
+
     def put(self, inputs: dict[str, np.ndarray]) -> tuple[Buffer | None, tuple]:
         """The tensors written into a buffer, and how the model process finds them: ``("shm", path,
-        [(name, dtype, shape, offset)])``, or ``("inline", inputs)`` where no buffer can be had."""
+        [(name, dtype, shape, offset)])``, or ``("inline", inputs)`` where no buffer can be had. Tensors
+        that already lie, aligned, in a buffer their body was read into (``body``) stay where they are."""
         if any(array.dtype.hasobject for array in inputs.values()):
             return None, ("inline", inputs)
+        for buffer in self._lent:
+            if (layout := _layout_in(buffer, inputs)) is not None:
+                self._lent.remove(buffer)
+                return buffer, ("shm", buffer.path, layout)
         layout, end = _layout(inputs)
         buffer = self._take(max(end, 1))
         if buffer is None:
@@ -117,16 +147,26 @@ class SharedBuffers:
             return
         self._free.remove(buffer)
         self.forget(buffer.path)
-        buffer.memory.close()
+        self._unmap([buffer.memory, *self._closing])
         with contextlib.suppress(OSError):
             os.unlink(buffer.path)
 
     def close(self) -> None:
+        self._unmap([buffer.memory for buffer in self._free] + self._closing)
         for buffer in self._free:
-            buffer.memory.close()
             with contextlib.suppress(OSError):
                 os.unlink(buffer.path)
         self._free.clear()
+
+    def _unmap(self, memories: list[mmap.mmap]) -> None:
+        """Close each mapping; one that arrays still view (a request's inputs, read in place, until its
+        handler returns) is kept for a later try."""
+        self._closing = []
+        for memory in memories:
+            try:
+                memory.close()
+            except BufferError:
+                self._closing.append(memory)
 
     def _take(self, size: int) -> Buffer | None:
         fitting = [b for b in self._free if b.size >= size]
@@ -237,6 +277,11 @@ class RemoteBatcher:
     def submit(self, inputs: dict[str, np.ndarray], rows: int, connection=None) -> Future:
         return self.link.submit(self.name, inputs, rows)
 
+    def body_buffer(self, size: int, header_length: int):
+        """Where to read a request's body: shared memory the model process reads its tensors from
+        (``SharedBuffers.body``), so that they are not copied again."""
+        return self.link.buffers.body(size, header_length)
+
     def arriving(self, connection=None):
         """The model process does not see requests still being read, nor which connection a request
         came on: it waits only while its rows would be padded (``Batcher._take``)."""
@@ -265,6 +310,17 @@ def _layout(arrays: dict[str, np.ndarray]) -> tuple[list[tuple], int]:
         layout.append((name, array.dtype, array.shape, end))
         end += -(-array.nbytes // ALIGN) * ALIGN
     return layout, end
+
+
+def _layout_in(buffer: Buffer, arrays: dict[str, np.ndarray]) -> list[tuple] | None:
+    """The layout of ``arrays`` where each is a contiguous, aligned stretch of ``buffer``; else None."""
+    layout = []
+    for name, array in arrays.items():
+        offset = array.ctypes.data - buffer.address
+        if offset % ALIGN or not 0 <= offset <= buffer.size - array.nbytes or not array.flags.c_contiguous:
+            return None
+        layout.append((name, array.dtype, array.shape, offset))
+    return layout
 
 
 def _write(memory: mmap.mmap, layout: list[tuple], arrays: dict[str, np.ndarray]) -> None:

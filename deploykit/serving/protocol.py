@@ -88,7 +88,7 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
         raise bad(f"{HEADER_LENGTH} is {header_length!r}: it must be the JSON header's length in bytes") from None
     if not 0 < length <= len(body):
         raise bad(f"{HEADER_LENGTH} is {length} but the body has {len(body)} bytes")
-    return body[:length], memoryview(body)[length:]
+    return bytes(body[:length]), memoryview(body)[length:]
 
 
 def _json_object(header: bytes) -> dict:

@@ -181,6 +181,96 @@ def test_tensors_sit_at_aligned_offsets_and_a_larger_request_gets_a_larger_buffe
     buffers.close()
 
 
+def read_in(view: memoryview, header: bytes, *arrays: np.ndarray) -> list[np.ndarray]:
+    """A body (JSON header, then the arrays' bytes) written into ``view`` as read_body does, and the
+    arrays parsed back from it as views, as protocol.parse_infer makes them."""
+    body = header + b"".join(array.tobytes() for array in arrays)
+    view[:] = body
+    parsed, offset = [], len(header)
+    for array in arrays:
+        parsed.append(np.frombuffer(view, array.dtype, array.size, offset).reshape(array.shape))
+        offset += array.nbytes
+    return parsed
+
+
+def test_tensors_read_into_a_body_buffer_stay_there(tmp_path):
+    """A body read into ``SharedBuffers.body`` starts so that its binary tensors are aligned: ``put``
+    takes that buffer as it is (no copy); tensors it cannot take in place (misaligned) are copied into
+    another buffer, and the body's buffer comes back on exit."""
+    buffers = SharedBuffers(tmp_path, "w", forget=lambda path: None)
+    header, images = b'{"inputs": []}', np.arange(2 * 48, dtype=np.float32).reshape(2, 48)
+    ids = np.arange(2, dtype=np.int64)
+    with buffers.body(len(header) + images.nbytes + ids.nbytes, len(header)) as view:
+        parsed = read_in(view, header, images, ids)
+        buffer, (kind, path, layout) = buffers.put({"x": parsed[0], "ids": parsed[1]})
+    assert kind == "shm" and path == buffer.path
+    assert [offset % ALIGN for *_, offset in layout] == [0, 0]
+    read = _read(buffer.memory, layout)
+    np.testing.assert_array_equal(read["x"], images)
+    np.testing.assert_array_equal(read["ids"], ids)
+    assert read["x"].ctypes.data == parsed[0].ctypes.data  # where it was read: not copied
+    del parsed, view, read
+    buffers.release(buffer)
+
+    odd = np.arange(3, dtype=np.float32)  # 12 bytes: the tensor after it starts misaligned
+    with buffers.body(len(header) + odd.nbytes + ids.nbytes, len(header)) as view:
+        parsed = read_in(view, header, odd, ids)
+        copied, (_, _, layout) = buffers.put({"odd": parsed[0], "ids": parsed[1]})
+        lent = next(b for b in buffers._lent)
+    assert copied is not lent and lent in buffers._free  # the body's buffer came back
+    np.testing.assert_array_equal(_read(copied.memory, layout)["ids"], ids)
+    del parsed, view
+    buffers.close()
+
+
+def test_a_body_is_read_into_the_batchers_buffer_when_its_binary_tensors_can_be_found_there(tmp_path):
+    """app._body_buffer lends the batcher's buffer only for a declared, uncompressed body with a binary
+    part within the limit; read_body fills it chunk by chunk, and a body shorter than declared is refused."""
+    from starlette.datastructures import Headers
+
+    from deploykit.serving.app import _body_buffer, read_body
+    from deploykit.serving.model_host import RemoteBatcher
+
+    link = SimpleNamespace(buffers=SharedBuffers(tmp_path, "w", forget=lambda path: None))
+    batcher = RemoteBatcher(link, "double")
+
+    def lent(limit=1 << 20, **headers):
+        with _body_buffer(batcher, Headers(headers), limit) as view:
+            return view is not None
+
+    binary = {"content-length": "100", "inference-header-content-length": "20"}
+    assert lent(**binary)
+    assert not lent(**{**binary, "content-encoding": "gzip"}) and not lent(limit=99, **binary)
+    assert not lent(**{"content-length": "100"}) and not lent(**{**binary, "inference-header-content-length": "101"})
+
+    async def received(chunks, into):
+        messages = iter([{"type": "http.request", "body": chunk, "more_body": index < len(chunks) - 1}
+                         for index, chunk in enumerate(chunks)])
+        return await read_body(lambda: asyncio.sleep(0, next(messages)), Headers({}), 1 << 20, into)
+
+    into = memoryview(bytearray(10))
+    assert asyncio.run(received([b"0123", b"456789"], into)) is into and bytes(into) == b"0123456789"
+    with pytest.raises(RequestError, match="the body has 4 bytes where its Content-Length says 10"):
+        asyncio.run(received([b"0123"], memoryview(bytearray(10))))
+    link.buffers.close()
+
+
+def test_a_buffer_still_viewed_is_unmapped_once_nothing_views_it(tmp_path):
+    """A buffer given back past the budget while a request's arrays still view it (read in place, its
+    handler not yet returned) is closed at a later release, not failed on."""
+    buffers = SharedBuffers(tmp_path, "w", forget=lambda path: None, keep=0)
+    with buffers.body(64, 8) as view:
+        viewed, _ = buffers.put({"x": np.frombuffer(view, np.float32, 8, 8)})
+        kept = np.frombuffer(view, np.float32, 8, 8)
+    buffers.release(viewed)  # over a budget of 0: unmapped, but still viewed
+    assert viewed.memory in buffers._closing and not viewed.memory.closed
+    del kept, view
+    other, _ = buffers.put({"x": np.ones(4, np.float32)})
+    buffers.release(other)
+    assert viewed.memory.closed and buffers._closing == [] and other.memory.closed
+    buffers.close()
+
+
 def test_free_buffers_past_the_budget_are_given_back_and_forgotten(tmp_path):
     forgotten = []
     buffers = SharedBuffers(tmp_path, "w", forget=forgotten.append, keep=SharedBuffers.smallest)
