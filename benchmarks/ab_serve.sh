@@ -10,7 +10,9 @@
 # BUNDLE (a converted bundle instead; its folder's name is the model's), DEVICE (cpu), WORKERS (2), INSTANCES (1),
 # MAX_BATCH (32), INPUT ("--shape x:3,224,224": perf_analyzer.py's input options), LEVELS ("8 32"), ROUNDS (3),
 # INTERVAL_MS (3000), STABILITY (15), OUT (/tmp/ab-serve). Prints one line per server and level (perf_analyzer.py's
-# row) and writes them to $OUT/ab.md. On the GPU machine (after run_issue25_device.sh's setup and convert):
+# row, then the CPU time each server process spent per request answered during the level: the server's own
+# process first, then its children as they started, with --workers the model process and then the workers;
+# a change that saves CPU shows there even where this machine's throughput drifts) and writes them to $OUT/ab.md. On the GPU machine (after run_issue25_device.sh's setup and convert):
 #   BASE_TREE=ab/serve-base BUNDLE=/tmp/dk-issue13/resnet50-fp16 DEVICE=cuda:0 WORKERS=8 INSTANCES=2 LEVELS=128 \
 #     bash benchmarks/ab_serve.sh
 set -u -o pipefail
@@ -26,6 +28,7 @@ if [ -z "$base" ]; then
   rm -rf "$base" && mkdir -p "$base" && git -C "$root" archive "$rev" deploykit | tar x -C "$base"
 fi
 [ -d "$base/deploykit" ] || { echo "$base has no deploykit/" >&2; exit 1; }
+base=$(cd "$base" && pwd)
 
 bundle=${BUNDLE:-$out/pool}
 if [ -z "${BUNDLE:-}" ] && [ ! -f "$out/pool/manifest.json" ]; then
@@ -46,22 +49,41 @@ PY
     || { tail -5 "$out/convert.log"; exit 1; }
 fi
 model=$(basename "$bundle")
+cpu_ticks() {  # PID: user+system clock ticks of the process and of each of its children, in start order
+  local pid
+  for pid in $1 $(ps -o pid= --ppid "$1" --sort=start_time); do awk '{printf "%d ", $14 + $15}' "/proc/$pid/stat"; done
+}
 
 : > "$out/ab.md"
 for round in $(seq "$rounds"); do
   for variant in base new; do
     tree=$root; [ "$variant" = base ] && tree=$base
     log=$out/$variant-r$round
-    PYTHONPATH=$tree "$python" -m deploykit serve "$bundle" --device "${DEVICE:-cpu}" --workers "$workers" \
+    # -P: `python -m` would put the current folder first on the path, and from the repository's root both variants
+    # would run the working tree's deploykit (they did until 2026-12-06)
+    imported=$(PYTHONPATH=$tree "$python" -P -c 'import deploykit, os; print(os.path.dirname(deploykit.__file__))')
+    [ "$imported" = "$tree/deploykit" ] || { echo "the $variant server would run $imported, not $tree/deploykit" >&2; exit 1; }
+    PYTHONPATH=$tree "$python" -P -m deploykit serve "$bundle" --device "${DEVICE:-cpu}" --workers "$workers" \
       --instances "${INSTANCES:-1}" --max-batch "${MAX_BATCH:-32}" --no-access-log --port 18100 > "$log.serve.log" 2>&1 &
     server=$!
     until grep -q "serving at" "$log.serve.log"; do kill -0 $server 2> /dev/null || { cat "$log.serve.log"; exit 1; }; sleep 0.5; done
     for level in $levels; do
+      "$python" "$root/benchmarks/serve_metrics.py" snapshot http://127.0.0.1:18100 "$log-c$level.before.txt"
+      before=$(cpu_ticks $server)
       # shellcheck disable=SC2086
       PYTHONPATH=$root "$python" "$root/benchmarks/perf_analyzer.py" "$model" --http 127.0.0.1:18100 --concurrency "$level" \
         --measurement-interval-ms "${INTERVAL_MS:-3000}" --stability-percentage "${STABILITY:-15}" ${INPUT:---shape x:3,224,224} \
         --out "$log-c$level" > "$log-c$level.log" 2>&1
-      echo "$variant round $round: $(tail -n 1 "$log-c$level.log")" | tee -a "$out/ab.md"
+      after=$(cpu_ticks $server)
+      "$python" "$root/benchmarks/serve_metrics.py" snapshot http://127.0.0.1:18100 "$log-c$level.after.txt"
+      answered=$("$python" "$root/benchmarks/serve_metrics.py" compare "$log-c$level.before.txt" "$log-c$level.after.txt" \
+        | "$python" -c 'import json, sys; print(int(json.load(sys.stdin)["requests"]))')
+      cost=$("$python" -c 'import os, sys
+before, after = (list(map(int, arg.split())) for arg in sys.argv[1:3])
+answered, tick = max(int(sys.argv[3]), 1), os.sysconf("SC_CLK_TCK")
+print(" ".join(f"{(b - a) * 1e3 / tick / answered:.3f}" for a, b in zip(before, after)))' \
+        "$before" "$after" "$answered")
+      echo "$variant round $round: $(tail -n 1 "$log-c$level.log") CPU ms/request: $cost" | tee -a "$out/ab.md"
     done
     kill -TERM $server; wait $server
   done

@@ -39,9 +39,12 @@ def totals(text: str) -> dict[str, tuple[float, float]]:
 
 
 def breakdown(before: str, after: str) -> dict[str, float | None]:
-    """The mean of each histogram over what was observed between the two snapshots (None: nothing was)."""
+    """The mean of each histogram over what was observed between the two snapshots (None: nothing was),
+    and ``requests``: how many were answered in between."""
     first, second = totals(before), totals(after)
-    means = {}
+    answered = (second.get("deploykit_request_latency_seconds", (0.0, 0.0))[1]
+                - first.get("deploykit_request_latency_seconds", (0.0, 0.0))[1])
+    means: dict[str, float | None] = {"requests": answered}
     for key, metric, seconds in HISTOGRAMS:
         sums, count = (b - a for a, b in zip(first.get(metric, (0.0, 0.0)), second.get(metric, (0.0, 0.0))))
         means[key] = None if count <= 0 else sums / count * (1e3 if seconds else 1)

@@ -86,6 +86,11 @@ class Buffer:
         return np.frombuffer(self.memory, np.uint8).ctypes.data
 
 
+@dataclasses.dataclass(eq=False)  # one lending of a buffer, told apart from its later lendings
+class _Lease:
+    buffer: Buffer
+
+
 class SharedBuffers:
     """One worker's request buffers: files in ``folder`` that it writes tensors into and the model
     process maps. A free buffer is reused for the next request it fits; more than ``keep`` bytes of
@@ -97,7 +102,7 @@ class SharedBuffers:
     def __init__(self, folder: Path | None, prefix: str, forget, keep: int = 64 << 20):
         self.folder, self.prefix, self.forget, self.keep = folder, prefix, forget, keep
         self._free: list[Buffer] = []
-        self._lent: list[Buffer] = []  # buffers a request's body is being read into
+        self._lent: list[_Lease] = []  # the buffers bodies are being read into
         self._closing: list[mmap.mmap] = []  # given back while arrays of a finishing request still viewed them
         self._names = itertools.count()
         self._full_noted = False
@@ -113,12 +118,13 @@ class SharedBuffers:
         if buffer is None:
             yield None
             return
-        self._lent.append(buffer)
+        lease = _Lease(buffer)  # this lending's: once put() took the buffer, it may be lent again before we exit
+        self._lent.append(lease)
         try:
             yield memoryview(buffer.memory)[lead:lead + size]
         finally:
-            if buffer in self._lent:
-                self._lent.remove(buffer)
+            if lease in self._lent:
+                self._lent.remove(lease)
                 self.release(buffer)
 
     def put(self, inputs: dict[str, np.ndarray]) -> tuple[Buffer | None, tuple]:
@@ -127,10 +133,10 @@ class SharedBuffers:
         that already lie, aligned, in a buffer their body was read into (``body``) stay where they are."""
         if any(array.dtype.hasobject for array in inputs.values()):
             return None, ("inline", inputs)
-        for buffer in self._lent:
-            if (layout := _layout_in(buffer, inputs)) is not None:
-                self._lent.remove(buffer)
-                return buffer, ("shm", buffer.path, layout)
+        for lease in self._lent:
+            if (layout := _layout_in(lease.buffer, inputs)) is not None:
+                self._lent.remove(lease)
+                return lease.buffer, ("shm", lease.buffer.path, layout)
         layout, end = _layout(inputs)
         buffer = self._take(max(end, 1))
         if buffer is None:

@@ -216,7 +216,7 @@ def test_tensors_read_into_a_body_buffer_stay_there(tmp_path):
     with buffers.body(len(header) + odd.nbytes + ids.nbytes, len(header)) as view:
         parsed = read_in(view, header, odd, ids)
         copied, (_, _, layout) = buffers.put({"odd": parsed[0], "ids": parsed[1]})
-        lent = next(b for b in buffers._lent)
+        lent = buffers._lent[0].buffer
     assert copied is not lent and lent in buffers._free  # the body's buffer came back
     np.testing.assert_array_equal(_read(copied.memory, layout)["ids"], ids)
     del parsed, view
@@ -253,6 +253,26 @@ def test_a_body_is_read_into_the_batchers_buffer_when_its_binary_tensors_can_be_
     with pytest.raises(RequestError, match="the body has 4 bytes where its Content-Length says 10"):
         asyncio.run(received([b"0123"], memoryview(bytearray(10))))
     link.buffers.close()
+
+
+def test_a_body_buffer_answered_and_lent_again_stays_lent_when_the_first_request_ends(tmp_path):
+    """The first request's buffer, taken by put() and given back when its answer came, is lent to a second
+    body before the first request's handler returns: that return must not give it back a second time
+    (another request would write into the body being read; seen under load as corrupted JSON headers)."""
+    buffers = SharedBuffers(tmp_path, "w", forget=lambda path: None)
+    first = buffers.body(64, 8)
+    view = first.__enter__()
+    taken, _ = buffers.put({"x": np.frombuffer(view, np.float32, 8, 8)})
+    buffers.release(taken)  # the answer came back
+    with buffers.body(64, 8) as second_view:
+        lent_again = np.frombuffer(second_view, np.uint8).ctypes.data
+        assert taken.address <= lent_again < taken.address + taken.size  # the same buffer, lent again
+        first.__exit__(None, None, None)  # the first request's handler returns
+        other, _ = buffers.put({"y": np.ones(100, np.uint8)})
+        assert other is not taken and taken not in buffers._free
+        del second_view
+    del view
+    buffers.close()
 
 
 def test_a_buffer_still_viewed_is_unmapped_once_nothing_views_it(tmp_path):
