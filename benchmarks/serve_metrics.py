@@ -21,8 +21,10 @@ import urllib.request
 from pathlib import Path
 
 #: Histograms of deploykit serve: (the name in the breakdown, the metric, milliseconds or plain).
-HISTOGRAMS = (("rows_per_run", "deploykit_batch_size", False), ("queue_ms", "deploykit_queue_latency_seconds", True),
-              ("run_ms", "deploykit_run_latency_seconds", True), ("in_server_ms", "deploykit_request_latency_seconds", True))
+HISTOGRAMS = (("rows_per_run", "deploykit_batch_size", False),
+              ("queue_ms", "deploykit_queue_latency_seconds", True),
+              ("run_ms", "deploykit_run_latency_seconds", True),
+              ("in_server_ms", "deploykit_request_latency_seconds", True))
 
 
 def totals(text: str) -> dict[str, tuple[float, float]]:

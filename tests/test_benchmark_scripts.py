@@ -60,7 +60,8 @@ def metrics_text(observed: dict[str, tuple[float, float]]) -> str:
         lines += [f"# HELP {metric} h", f"# TYPE {metric} histogram"]
         for model, share in (("a", 0.25), ("b", 0.75)):
             lines += [f'{metric}_bucket{{le="+Inf",model="{model}"}} {count * share}',
-                      f'{metric}_count{{model="{model}"}} {count * share}', f'{metric}_sum{{model="{model}"}} {total * share}']
+                      f'{metric}_count{{model="{model}"}} {count * share}',
+                      f'{metric}_sum{{model="{model}"}} {total * share}']
     return "\n".join(lines) + "\n"
 
 
@@ -71,7 +72,8 @@ def test_where_serves_time_goes_between_two_snapshots(tmp_path):
     import json
 
     before = metrics_text({"deploykit_batch_size": (100, 10), "deploykit_queue_latency_seconds": (0.1, 100),
-                           "deploykit_run_latency_seconds": (0.05, 10), "deploykit_request_latency_seconds": (0.5, 100)})
+                           "deploykit_run_latency_seconds": (0.05, 10),
+                           "deploykit_request_latency_seconds": (0.5, 100)})
     after = metrics_text({"deploykit_batch_size": (740, 30), "deploykit_queue_latency_seconds": (1.38, 740),
                           "deploykit_run_latency_seconds": (0.15, 30), "deploykit_request_latency_seconds": (6.9, 740)})
     for concurrency, snapshots in ((64, (before, after)), (128, (after, after)), (256, None)):

@@ -5,9 +5,9 @@ One Python process cannot parse requests as fast as a GPU answers them (a 224x22
 splits the traffic into N small batches padded up to the bucket, loads every bundle N times and
 makes the GPU take turns between N CUDA contexts. Here the N workers only speak HTTP: each reads a
 request's body into a buffer in shared memory (where its binary tensors then lie, aligned: they are
-not copied again), parses and checks it, and sends a few bytes to the model process over its pipe; the model process holds the runners and the batchers (the same
-``Batcher`` as a one-process server), batches requests from every worker together, and answers
-each worker over its pipe.
+not copied again), parses and checks it, and sends a few bytes to the model process over its pipe;
+the model process holds the runners and the batchers (the same ``Batcher`` as a one-process
+server), batches requests from every worker together, and answers each worker over its pipe.
 
 In the model process one thread reads every worker's pipe and one sends the answers: the batchers
 never wait on a pipe, and the answers a batch settles for one worker travel as one message. An

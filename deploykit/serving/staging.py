@@ -149,7 +149,8 @@ class DeviceStaging(PinnedStaging):
     def feeds(self, names: list[str], requests: list[dict[str, np.ndarray]], rows: int, size: int) -> dict:
         parts = {name: [inputs[name] for inputs in requests] for name in names}
         every = [part for group in parts.values() for part in group]
-        if sum(part.nbytes for part in every) < DMA_MIN_BYTES * len(requests) or not all(map(self.registry.holds, every)):
+        small = sum(part.nbytes for part in every) < DMA_MIN_BYTES * len(requests)
+        if small or not all(map(self.registry.holds, every)):
             return super().feeds(names, requests, rows, size)
         targets, sources, feeds = [], [], {}
         for name, group in parts.items():
