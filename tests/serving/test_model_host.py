@@ -311,6 +311,8 @@ def test_a_full_ram_disk_sends_tensors_through_the_pipe_and_says_so_once(host, m
             inputs = request(2, seed)
             np.testing.assert_array_equal(link.submit("double", inputs, 2).result(timeout=10)["y"], inputs["x"] * 2)
     assert caplog.text.count("no shared memory for a request buffer") == 1 and "No space left" in caplog.text
+    with link.link.buffers.body(100, 20) as view:
+        assert view is None  # the body is read into memory of its own, its tensors then go through the pipe
     assert not list(tmp_path.iterdir())  # nothing half-made is left
 
 
