@@ -22,8 +22,8 @@
 #          must be on PYTHONPATH (../shared/GPU.md). Log: $OUT/gpu-tests.log; in the background when BACKGROUND=1
 #          (then wait with STEPS=gputests-wait, which copies the log).
 # GPU busy %: nvidia-smi's utilization sampled every 200 ms during each concurrency level (busy.txt beside it).
-# Inside serve: its /metrics before and after each level (serve_metrics.py): the mean batch, queue wait, run and
-# time in the server, which summary.md sets beside perf_analyzer's latency.
+# Inside the servers: each one's /metrics before and after each level (serve_metrics.py): the mean batch, queue
+# wait, run and time in the server, which summary.md sets beside perf_analyzer's latency.
 # PROFILE_LEVEL=N (with py-spy on PATH): every server process's Python stacks sampled for 10 s during level N
 # (py-spy-PID.txt beside its CSV; raw format: one line per distinct stack, then its sample count).
 # ROUNDS=N: the serve and triton steps repeated N times, one server after the other (results in roundK/;
@@ -156,7 +156,7 @@ endpoints() {  # HTTP_PORT GRPC_PORT: perf_analyzer.py's endpoint options for $p
   [[ " $protocols " != *" http "* ]] || echo "--http 127.0.0.1:$1"
   [[ " $protocols " != *" grpc "* ]] || echo "--grpc 127.0.0.1:$2"
 }
-sweep() {  # NAME MODEL HTTP_PORT GRPC_PORT SERVER_PID: perf_analyzer at each level, GPU busy sampled beside it
+sweep() {  # NAME MODEL HTTP_PORT GRPC_PORT SERVER_PID METRICS_URL: perf_analyzer at each level, GPU busy sampled beside it
   for level in $levels; do
     local dir="$results/$1/c$level" sampler=; mkdir -p "$dir"
     if [ "$device" != cpu ]; then
@@ -166,12 +166,12 @@ sweep() {  # NAME MODEL HTTP_PORT GRPC_PORT SERVER_PID: perf_analyzer at each le
     if [ "${PROFILE_LEVEL:-}" = "$level" ] && command -v py-spy > /dev/null; then
       (sleep 5; profile "$dir" "$5") &
     fi
-    [[ $1 != serve-* ]] || python3 "$root/benchmarks/serve_metrics.py" snapshot "http://127.0.0.1:$3" "$dir/metrics-before.txt"
+    python3 "$root/benchmarks/serve_metrics.py" snapshot "$6" "$dir/metrics-before.txt"
     # shellcheck disable=SC2086
     python3 "$root/benchmarks/perf_analyzer.py" "$2" $(endpoints "$3" "$4") --concurrency "$level" \
       --measurement-interval-ms ${INTERVAL_MS:-3000} --stability-percentage ${STABILITY:-10} ${shapes[${2%-*}]} --out "$dir" > "$dir/run.log" 2>&1
     [ -z "$sampler" ] || { kill $sampler; wait $sampler 2>/dev/null; }
-    [[ $1 != serve-* ]] || python3 "$root/benchmarks/serve_metrics.py" snapshot "http://127.0.0.1:$3" "$dir/metrics-after.txt"
+    python3 "$root/benchmarks/serve_metrics.py" snapshot "$6" "$dir/metrics-after.txt"
     stamp "$1 c$level: $(tail -n 1 "$dir/run.log")"
   done
 }
@@ -195,7 +195,8 @@ for round in $(seq "$rounds"); do  # ROUNDS=N: the servers one after the other, 
       python3 -m deploykit serve "$bundle" --device "$device" --workers "$workers" --instances "$instances" --max-batch $max_batch ${SERVE_ARGS:-} \
         --no-access-log --port 18000 --grpc-port 18004 > "$results/serve-$model.log" 2>&1 &
       server=$!
-      wait_for "$results/serve-$model.log" "serving at" 240 $server && sweep "serve-$model" "$model-$precision" 18000 18004 $server
+      wait_for "$results/serve-$model.log" "serving at" 240 $server && sweep "serve-$model" "$model-$precision" 18000 18004 $server \
+        http://127.0.0.1:18000
       kill -TERM $server; wait $server; stamp "deploykit serve $model: exit $?"
     fi
     if has_step triton; then
@@ -210,7 +211,8 @@ os.execvpe(server.command[0], [*server.command, "--model-repository", sys.argv[1
                                "--grpc-port", "18002", "--metrics-port", "18003"], server.env)
 PY
       server=$!
-      wait_for "$results/triton-$model.log" "Started HTTPService" 300 $server && sweep "triton-$model" "$model-$precision" 18001 18002 $server
+      wait_for "$results/triton-$model.log" "Started HTTPService" 300 $server && sweep "triton-$model" "$model-$precision" 18001 18002 $server \
+        http://127.0.0.1:18003
       kill -TERM $server; wait $server; stamp "tritonserver $model: exit $?"
     fi
   done

@@ -3,8 +3,8 @@ as it lays them out: ``SERVER-MODEL/cLEVEL/perf_analyzer.json`` and ``busy.txt``
 throughput-against-p99 plot of it. Where the servers were measured in several rounds, one after
 the other (``roundN/SERVER-MODEL/...``, ROUNDS=N), each number is the median over the rounds and the
 table shows the rounds' lowest and highest throughput: on a noisy machine one round proves little.
-Where a serve level has /metrics snapshots (``metrics-before.txt``, ``metrics-after.txt``: serve_metrics.py),
-a second table says where its time went: rows per run, queue wait, run, and time in the server.
+Where a level has the server's metrics before and after it (``metrics-before.txt``, ``metrics-after.txt``:
+serve_metrics.py), a second table says where its time went: rows per run, queue wait, run, time in the server.
 
 Usage: python benchmarks/summarize_issue25.py RESULTS [--plot FILE.png]   (markdown on stdout)
 """
@@ -17,7 +17,7 @@ import re
 import statistics
 from pathlib import Path
 
-from serve_metrics import HISTOGRAMS, level_breakdown
+from serve_metrics import KEYS, level_breakdown
 
 
 def main() -> None:
@@ -55,7 +55,7 @@ def median_row(found: list[dict]) -> dict:
     failures = sorted({row["failure"] for row in found if row["failure"]})
     insides = [row["inside"] for row in found if row.get("inside")]
     inside = {key: statistics.median(v for i in insides if (v := i[key]) is not None)
-              if any(i[key] is not None for i in insides) else None for key, *_ in HISTOGRAMS} if insides else None
+              if any(i[key] is not None for i in insides) else None for key in KEYS} if insides else None
     throughputs = [row["throughput"] for row in found if row["throughput"]]
     return {**found[0], **{key: median(key) for key in ("throughput", "p50_ms", "p95_ms", "p99_ms", "busy")},
             "errors": sum(row["errors"] for row in found), "failure": "; ".join(failures) or None, "inside": inside,
@@ -110,16 +110,16 @@ def table(rows: list[dict]) -> str:
 
 
 def inside_table(rows: list[dict]) -> str:
-    """Where serve's time went at each level (its /metrics, over the whole level): the mean rows per run,
+    """Where each server's time went at each level (its metrics, over the whole level): the mean rows per run,
     queue wait, run and time in the server, beside the client's p50 (the rest was spent outside)."""
-    lines = ["| model | protocol | concurrency | rows per run | queue ms | run ms | in server ms | client p50 ms |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| model | server | protocol | concurrency | rows per run | queue ms | run ms | in server ms | "
+             "client p50 ms |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         if inside := r.get("inside"):
             cells = " | ".join("" if inside[key] is None else f"{inside[key]:.{1 if key == 'rows_per_run' else 2}f}"
-                               for key, *_ in HISTOGRAMS)
+                               for key in KEYS)
             p50 = "" if r["p50_ms"] is None else f"{r['p50_ms']:.2f}"
-            lines.append(f"| {r['model']} | {r['protocol']} | {r['concurrency']} | {cells} | {p50} |")
+            lines.append(f"| {r['model']} | {r['server']} | {r['protocol']} | {r['concurrency']} | {cells} | {p50} |")
     return "\n".join(lines)
 
 

@@ -95,9 +95,36 @@ def test_where_serves_time_goes_between_two_snapshots(tmp_path):
     done = subprocess.run([sys.executable, str(BENCHMARKS / "summarize_issue25.py"), str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    inside = done.stdout.split("| model | protocol | concurrency | rows per run |")[1].splitlines()
-    assert inside[2:] == ["| resnet50 | http | 64 | 32.0 | 2.00 | 5.00 | 10.00 | 12.50 |",
-                          "| resnet50 | http | 128 |  |  |  |  | 12.50 |"]
+    inside = done.stdout.split("| model | server | protocol | concurrency | rows per run |")[1].splitlines()
+    assert inside[2:] == ["| resnet50 | serve | http | 64 | 32.0 | 2.00 | 5.00 | 10.00 | 12.50 |",
+                          "| resnet50 | serve | http | 128 |  |  |  |  | 12.50 |"]
+
+
+def test_where_tritons_time_goes_from_its_counters():
+    """Triton's metrics: microseconds summed over requests (compute input, infer and output make the run,
+    which each request of a batch counts once), rows per run from inferences over executions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_metrics", BENCHMARKS / "serve_metrics.py")
+    serve_metrics = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_metrics)
+
+    def triton(requests, runs, queue_us, compute_us, total_us):
+        lines = []
+        for name, value in (("nv_inference_request_success", requests), ("nv_inference_count", requests),
+                            ("nv_inference_exec_count", runs), ("nv_inference_queue_duration_us", queue_us),
+                            ("nv_inference_compute_input_duration_us", compute_us[0]),
+                            ("nv_inference_compute_infer_duration_us", compute_us[1]),
+                            ("nv_inference_compute_output_duration_us", compute_us[2]),
+                            ("nv_inference_request_duration_us", total_us)):
+            lines += [f"# TYPE {name} counter", f'{name}{{model="m",version="1"}} {value}']
+        return "\n".join(lines) + "\n"
+
+    before = triton(100, 20, 1_000, (100, 5_000, 200), 9_000)
+    after = triton(900, 120, 801_000, (500, 1_204_000, 800), 2_409_000)
+    assert serve_metrics.breakdown(before, after) == pytest.approx(
+        {"requests": 800, "rows_per_run": 8.0, "queue_ms": 1.0, "run_ms": 1.5, "in_server_ms": 3.0})
+    assert serve_metrics.breakdown(after, after)["run_ms"] is None
 
 
 def test_the_summary_of_several_rounds_takes_medians(tmp_path):
