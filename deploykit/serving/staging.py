@@ -112,8 +112,7 @@ class PinnedStaging:
 
     def _buffer(self, name: str, size: int, trailing: tuple, dtype: np.dtype) -> np.ndarray:
         buffer = self._buffers.get(name)
-        if buffer is None or buffer.shape[0] < size or buffer.shape[1:] != trailing or buffer.dtype != dtype:
-            capacity = max(size, buffer.shape[0] if buffer is not None and buffer.shape[1:] == trailing else 0)
+        if (capacity := _rows_to_allocate(buffer, size, trailing, dtype)) is not None:
             nbytes = capacity * int(np.prod(trailing, dtype=np.int64)) * dtype.itemsize
             pinned = self.torch.zeros(max(nbytes, 1), dtype=self.torch.uint8, pin_memory=True)
             buffer = pinned.numpy()[:nbytes].view(dtype).reshape(capacity, *trailing)
@@ -179,10 +178,8 @@ class DeviceStaging(PinnedStaging):
     def _staged(self, name: str, size: int, first) -> _OnDevice:
         staged = self._on_device.get(name)
         batch = None if staged is None else staged.batch
-        if batch is None or batch.shape[0] < size or batch.shape[1:] != first.shape[1:] or batch.dtype != first.dtype:
-            same_rows = batch is not None and batch.shape[1:] == first.shape[1:]
-            shape = (max(size, batch.shape[0] if same_rows else 0), *first.shape[1:])
-            zeros = self.torch.zeros(shape, dtype=first.dtype, device=self.device)
+        if (capacity := _rows_to_allocate(batch, size, tuple(first.shape[1:]), first.dtype)) is not None:
+            zeros = self.torch.zeros((capacity, *first.shape[1:]), dtype=first.dtype, device=self.device)
             staged = self._on_device[name] = _OnDevice(zeros.clone(), zeros)
         return staged
 
@@ -237,6 +234,15 @@ class HostRegistry:
         if address is not None:
             with self.torch.cuda.device(self.gpu):
                 self.torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def _rows_to_allocate(buffer, size: int, trailing: tuple, dtype) -> int | None:
+    """None where ``buffer`` (numpy or torch, or None) holds a batch of ``size`` rows of ``trailing`` shape and
+    ``dtype``; else the rows of the buffer to make: ``size``, or as many as a buffer of the same rows had."""
+    same_rows = buffer is not None and tuple(buffer.shape[1:]) == tuple(trailing)
+    if same_rows and buffer.shape[0] >= size and buffer.dtype == dtype:
+        return None
+    return max(size, buffer.shape[0] if same_rows else 0)
 
 
 def _cuda_torch(runner):
