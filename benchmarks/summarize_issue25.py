@@ -48,16 +48,15 @@ def collect(results: Path) -> list[dict]:
 
 def median_row(found: list[dict]) -> dict:
     """The median of each number over the rounds that measured one; errors summed; failures kept."""
-    def median(key):
-        values = [row[key] for row in found if row[key] is not None]
+    def median(rows: list[dict], key: str):
+        values = [row[key] for row in rows if row[key] is not None]
         return statistics.median(values) if values else None
 
     failures = sorted({row["failure"] for row in found if row["failure"]})
     insides = [row["inside"] for row in found if row.get("inside")]
-    inside = {key: statistics.median(v for i in insides if (v := i[key]) is not None)
-              if any(i[key] is not None for i in insides) else None for key in KEYS} if insides else None
+    inside = {key: median(insides, key) for key in KEYS} if insides else None
     throughputs = [row["throughput"] for row in found if row["throughput"]]
-    return {**found[0], **{key: median(key) for key in ("throughput", "p50_ms", "p95_ms", "p99_ms", "busy")},
+    return {**found[0], **{key: median(found, key) for key in ("throughput", "p50_ms", "p95_ms", "p99_ms", "busy")},
             "errors": sum(row["errors"] for row in found), "failure": "; ".join(failures) or None, "inside": inside,
             "spread": (min(throughputs), max(throughputs), len(found)) if throughputs else None}
 
