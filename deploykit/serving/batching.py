@@ -18,6 +18,13 @@ thread, where its first requests will run; ``wait_warm`` returns once all have.
 
 Threads, not the event loop: runners release the GIL while they compute (ONNX Runtime,
 TensorRT), so N instances run N batches at once while the loop keeps parsing requests.
+
+Lanes (a CPU model with ``halves``): two workers, each with a runner on half the cores. The first
+runs a batch on the instance with every core (the lowest latency) unless a full batch waits behind it
+or the second lane is busy; then it runs on its half, and only while it does, the second lane takes
+the next batch and runs it on the other half. Under load the two batches run side by side, which
+takes more batches a second where requests are parsed on the same cores (BENCHMARKS.md), and no run
+ever shares its cores. A lone request always finds the first lane, so it never runs on half the cores.
 """
 
 from __future__ import annotations
@@ -69,11 +76,13 @@ class Batcher:
         self._progress = 0.0  # when one of them was answered or came back last
         self._ready = threading.Condition()
         self._closed = False
-        self._warm = [threading.Event() for _ in model.runners]
-        gpus = model.gpus or [None] * len(model.runners)
+        self._first_on_half = self._second_busy = False  # lanes' runs in flight (``_lane_runner``)
+        lanes = model.halves or model.runners
+        self._warm = [threading.Event() for _ in lanes]
+        gpus = model.gpus or [None] * len(lanes)
         self._workers = [threading.Thread(target=self._work, args=(runner, gpu, warm), name=f"{model.name}-{i}",
                                           daemon=True)
-                         for i, (runner, gpu, warm) in enumerate(zip(model.runners, gpus, self._warm))]
+                         for i, (runner, gpu, warm) in enumerate(zip(lanes, gpus, self._warm))]
         for worker in self._workers:
             worker.start()
 
@@ -88,7 +97,7 @@ class Batcher:
             self._queue.append(Pending(inputs, rows, future, time.perf_counter(), connection))
             self._rows += rows
             self._queue_changed()
-            self._ready.notify()
+            self._ready.notify(2 if self.model.halves else 1)  # a second lane may not take it: wake the first too
         return future
 
     @contextlib.contextmanager
@@ -133,14 +142,39 @@ class Batcher:
             warm.wait()
 
     def _work(self, runner, gpu: int | None, warm: threading.Event) -> None:
+        second = bool(self.model.halves) and runner is self.model.halves[1]
         try:
             self._warm_up(runner)
+            if self.model.halves and not second:
+                self._warm_up(self.model.runner)
         finally:
             warm.set()
         staging = self.staging_for(runner, gpu) if self.model.batching else None
-        while (batch := self._take()) is not None:
+        while (batch := self._take(second)) is not None:
             if batch:
-                self._run(runner, batch, staging)
+                with self._lane_runner(runner, second) as chosen:
+                    self._run(chosen, batch, staging)
+
+    @contextlib.contextmanager
+    def _lane_runner(self, runner, second: bool):
+        """The runner for a batch just taken: the worker's own, except for the first of two lanes (the
+        module's docstring), which takes every core unless the second lane is busy or a full batch waits."""
+        if not self.model.halves:
+            yield runner
+            return
+        with self._ready:
+            wide = not second and not self._second_busy and self._rows < self.model.max_batch
+            if not second and not wide:
+                self._first_on_half = True
+                self._ready.notify_all()  # the second lane may take the next batch now
+        try:
+            yield self.model.runner if wide else runner
+        finally:
+            with self._ready:
+                if second:
+                    self._second_busy = False
+                elif not wide:
+                    self._first_on_half = False
 
     def _warm_up(self, runner) -> None:
         model = self.model
@@ -159,12 +193,13 @@ class Batcher:
         log.info("%s (%s): warmed up at batch %s in %.1f s", model.name, threading.current_thread().name, sizes,
                  time.perf_counter() - started)
 
-    def _take(self) -> list[Pending] | None:
-        """The next batch (requests in arrival order, cancelled ones dropped); None once closed and drained."""
+    def _take(self, second: bool = False) -> list[Pending] | None:
+        """The next batch (requests in arrival order, cancelled ones dropped); None once closed and drained.
+        ``second``: the second of two lanes, which takes one only while the first runs on its half."""
         free = time.perf_counter()
         with self._ready:
-            while not self._queue:
-                if self._closed:
+            while not self._queue or (second and not self._first_on_half):
+                if self._closed and (second or not self._queue):
                     return None
                 self._ready.wait()
             deadline = max(self._queue[0].arrived, free) + self.max_delay
@@ -179,6 +214,7 @@ class Batcher:
                 if pending.future.set_running_or_notify_cancel():  # False: it timed out while waiting
                     batch.append(pending)
                     rows += pending.rows
+            self._second_busy = second and bool(batch)
             self._queue_changed()
             return batch
 

@@ -6,6 +6,7 @@ before it is queued (so a bad request never reaches a batch it would spoil for o
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,7 @@ class ServeOptions:
     allow_failed: bool = False
     warmup_runs: int = 3  # per instance and warm-up batch size, before the server says ready
     threads: int | None = None  # ONNX Runtime's intra-op threads per instance (None: its default, every core)
+    split_cores: bool = False  # serve --split-cores: also two runners on half the cores each (ServedModel.halves)
 
 
 @dataclasses.dataclass
@@ -48,6 +50,9 @@ class ServedModel:
     #: (None: the bundle's static shapes), so the first requests pay no algorithm search or CUDA graph capture
     warmup_sizes: list[int | None] = dataclasses.field(default_factory=list)
     warmup_runs: int = 0
+    #: on a CPU (``ServeOptions.split_cores``): two more runners of the one instance, on half the cores each, so
+    #: that while a second full batch waits two batches run side by side (the batcher's lanes); else empty
+    halves: list = dataclasses.field(default_factory=list)
 
     @property
     def runner(self):
@@ -149,8 +154,23 @@ def load_model(bundle: Bundle, name: str, placements: list[str], options: ServeO
         raise BadInputError(f"--max-batch {max_batch} is outside {name}'s batch range {low}..{high}: "
                             "choose one in it (or convert with a wider --batch)")
     buckets = choose_buckets(options.buckets, runners[0], low, max_batch)
+    halves = [load(bundle, options.backend, "cpu", allow_failed=options.allow_failed,
+                   trust_native=options.trust_native, **_ort_options(options, "cpu"), threads=threads)
+              for threads in _half_cores(options, runners)]
     return ServedModel(name, path, runners, placements, max_batch, buckets, options.allow_nan,
-                       buckets or [max_batch], options.warmup_runs)
+                       buckets or [max_batch], options.warmup_runs, halves)
+
+
+def _half_cores(options: ServeOptions, runners: list) -> list[int]:
+    """The threads of each half-core runner (``ServedModel.halves``): the two halves of this process's cores,
+    where ``split_cores`` asks and one ONNX Runtime instance on a CPU of two or more cores holds them all; else
+    none. Two batches side by side on one core each compute about as fast as two after each other on both
+    cores, and they lose less to the requests parsed on the same cores meanwhile (BENCHMARKS.md, 2-core CPU)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if (not options.split_cores or options.threads or len(runners) != 1 or cores < 2
+            or runners[0].device != "cpu" or runners[0].backend != "onnxruntime"):
+        return []
+    return [cores // 2, cores - cores // 2]
 
 
 def batch_range(inputs: list[dict], outputs: list[dict]) -> tuple[int, int, int] | None:

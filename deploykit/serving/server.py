@@ -114,4 +114,5 @@ def model_summary(model) -> str:
     batching = (f"batches up to {model.max_batch}" + (f", buckets {model.buckets}" if model.buckets else "")
                 if model.batching else "no batching (static batch)")
     return (f"{model.name}: {Path(model.path)} on {runner.backend} ({', '.join(where)}), "
-            f"{len(model.runners)} instance(s), {batching}")
+            f"{len(model.runners)} instance(s)" + (f" and {len(model.halves)} on half the cores each" if model.halves
+                                                   else "") + f", {batching}")

@@ -6,6 +6,7 @@ answers everything still queued.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import queue
 import threading
 import time
@@ -190,6 +191,44 @@ def test_queued_rows_follow_partial_takes_and_timed_out_requests():
     assert batcher.queued_rows == 0 and runner.started.empty()  # the timed-out request was dropped, not run
     for n, future in answered.items():
         np.testing.assert_array_equal(future.result(timeout=5)["y"], np.full((n, 2), 2 * n, np.float32))
+
+
+def test_split_cores_loads_two_runners_on_half_the_cores_each_only_for_one_cpu_instance():
+    model = served(split_cores=True)
+    cores = len(os.sched_getaffinity(0))
+    threads = [r.session.get_session_options().intra_op_num_threads for r in model.halves]
+    assert (threads == [cores // 2, cores - cores // 2]) if cores >= 2 else threads == []
+    assert all(r.session.get_session_options().get_session_config_entry("session.force_spinning_stop") == "1"
+               for r in model.halves)
+    assert served(split_cores=True, threads=1).halves == []  # the user chose the threads
+    assert served(split_cores=True, instances=2).halves == []
+    assert served().halves == []  # off unless asked (serve's CLI asks; the Triton model does not)
+
+
+def test_lanes_run_a_lone_batch_on_every_core_and_two_waiting_batches_on_half_the_cores_each():
+    wide, first, second = GatedRunner(), GatedRunner(), GatedRunner()
+    model = ServedModel("lanes", Path("lanes"), [wide], ["cpu"], max_batch=2, buckets=[], allow_nan=False,
+                        halves=[first, second])
+    batcher = Batcher(model, max_delay_s=0, max_queue=8, metrics=Metrics())
+
+    def submit(n: int, value: float):
+        return batcher.submit({"x": np.full((n, 2), value, np.float32)}, n)
+
+    lone = submit(1, 1)
+    assert wide.started.get(timeout=5) == 1  # alone: every core
+    queued = [submit(2, 2), submit(2, 3), submit(2, 4)]
+    with pytest.raises(queue.Empty):  # the second lane waits while the first runs on every core
+        second.started.get(timeout=0.3)
+    wide.go.release()
+    assert first.started.get(timeout=5) == 2  # a full batch waits behind it: the first lane's half ...
+    assert second.started.get(timeout=5) == 2  # ... and beside it, the second lane's
+    for runner in (wide, first, second):
+        for _ in range(4):
+            runner.go.release()
+    batcher.close()
+    np.testing.assert_array_equal(lone.result(timeout=5)["y"], np.full((1, 2), 2, np.float32))
+    for future, value in zip(queued, (2, 3, 4)):
+        np.testing.assert_array_equal(future.result(timeout=5)["y"], np.full((2, 2), 2 * value, np.float32))
 
 
 class RecordingRunner:

@@ -7,6 +7,7 @@ their status and one line, and the server stays up.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 
 import numpy as np
@@ -16,7 +17,7 @@ pytest.importorskip("fastapi")
 tritonhttp = pytest.importorskip("tritonclient.http")
 
 import converted_bundles  # noqa: E402
-from serving import get, metric_samples, post, running_server  # noqa: E402
+from serving import get, infer_features, metric_samples, post, running_server  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 import deploykit  # noqa: E402
@@ -199,3 +200,18 @@ def test_access_log_is_one_json_line_per_request(server):
     lines = [json.loads(line) for line in server.output().splitlines() if line.startswith("{")]
     entry = next(line for line in lines if line["request_id"] == "trace-42")
     assert entry["path"] == "/v2/models/tabular" and entry["status"] == 200 and entry["method"] == "GET"
+
+
+
+def test_split_cores_answers_concurrent_requests_on_every_lane(bundle, reference):
+    """--split-cores: lone and queued requests alike answered as deploykit.load answers them, whichever
+    runner (every core, or one of the two halves) ran their batch."""
+    with running_server(bundle, "--device", "cpu", "--split-cores", "--max-batch", "2", "--warmup-runs", "1") as server:
+        features = [rows(1 + seed % 2, seed) for seed in range(48)]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda x: infer_features(server.url, MODEL, x), features))
+        assert "and 2 on half the cores each" in server.output(), server.output()
+    for x, answer in zip(features, answers):
+        expected = reference(features=x)
+        for name in ("output_0", "output_1"):
+            np.testing.assert_allclose(answer[name], expected[name], rtol=1e-5, atol=1e-6)
