@@ -62,8 +62,8 @@ from deploykit.cli._printing import print_notes
 @trust_bundle_option
 @verbose_option()
 def serve(bundles, host, port, grpc_port, backend, devices, instances, workers, threads, split_cores, max_batch,
-          max_delay_ms, buckets, max_queue, max_request_mb, timeout_s, token_file, allow_nan, warmup_runs, no_access_log, allow_failed,
-          trust_bundle, verbose):
+          max_delay_ms, buckets, max_queue, max_request_mb, timeout_s, token_file, allow_nan, warmup_runs,
+          no_access_log, allow_failed, trust_bundle, verbose):
     """Serve BUNDLES over HTTP (and gRPC) with the KServe v2 / Open Inference Protocol and dynamic batching.
 
     Each model is named after its bundle's folder. SIGTERM or Ctrl-C stops accepting requests,

@@ -163,13 +163,20 @@ def load_model(bundle: Bundle, name: str, placements: list[str], options: ServeO
 
 def _half_cores(options: ServeOptions, runners: list) -> list[int]:
     """The threads of each half-core runner (``ServedModel.halves``): the two halves of this process's cores,
-    where ``split_cores`` asks and one ONNX Runtime instance on a CPU of two or more cores holds them all; else
-    none. Two batches side by side on one core each compute about as fast as two after each other on both
+    where ``split_cores`` asks (refused unless one ONNX Runtime instance on a CPU of two or more cores holds them
+    all); else none. Two batches side by side on one core each compute about as fast as two after each other on both
     cores, and they lose less to the requests parsed on the same cores meanwhile (BENCHMARKS.md, 2-core CPU)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if (not options.split_cores or options.threads or len(runners) != 1 or cores < 2
-            or runners[0].device != "cpu" or runners[0].backend != "onnxruntime"):
+    if not options.split_cores:
         return []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    runner = runners[0]
+    problem = ("it comes with --threads" if options.threads else
+               f"it splits one instance, not {len(runners)}" if len(runners) != 1 else
+               f"the model runs on {runner.backend} ({runner.device}), not ONNX Runtime on a CPU"
+               if (runner.device, runner.backend) != ("cpu", "onnxruntime") else
+               "this process has one core" if cores < 2 else None)
+    if problem:
+        raise BadInputError(f"--split-cores cannot apply: {problem}; drop one of the two")
     return [cores // 2, cores - cores // 2]
 
 
