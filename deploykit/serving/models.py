@@ -168,15 +168,17 @@ def _half_cores(options: ServeOptions, runners: list) -> list[int]:
     cores, and they lose less to the requests parsed on the same cores meanwhile (BENCHMARKS.md, 2-core CPU)."""
     if not options.split_cores:
         return []
+    if options.threads:
+        raise BadInputError("--split-cores cannot apply: it comes with --threads; drop one of the two")
+    if len(runners) != 1:
+        raise BadInputError(f"--split-cores cannot apply: it splits one instance, not {len(runners)}; drop one of "
+                            "the two")
+    if (runners[0].device, runners[0].backend) != ("cpu", "onnxruntime"):
+        raise BadInputError(f"--split-cores cannot apply: the model runs on {runners[0].backend} "
+                            f"({runners[0].device}), not ONNX Runtime on a CPU; drop --split-cores")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    runner = runners[0]
-    problem = ("it comes with --threads" if options.threads else
-               f"it splits one instance, not {len(runners)}" if len(runners) != 1 else
-               f"the model runs on {runner.backend} ({runner.device}), not ONNX Runtime on a CPU"
-               if (runner.device, runner.backend) != ("cpu", "onnxruntime") else
-               "this process has one core" if cores < 2 else None)
-    if problem:
-        raise BadInputError(f"--split-cores cannot apply: {problem}; drop one of the two")
+    if cores < 2:
+        raise BadInputError("--split-cores cannot apply: this process has one core; drop --split-cores")
     return [cores // 2, cores - cores // 2]
 
 

@@ -113,6 +113,6 @@ def model_summary(model) -> str:
     where = [f"cuda:{gpu}" for gpu in sorted(set(model.gpus))] if model.gpus is not None else [runner.device]
     batching = (f"batches up to {model.max_batch}" + (f", buckets {model.buckets}" if model.buckets else "")
                 if model.batching else "no batching (static batch)")
+    halves = f" and {len(model.halves)} on half the cores each" if model.halves else ""
     return (f"{model.name}: {Path(model.path)} on {runner.backend} ({', '.join(where)}), "
-            f"{len(model.runners)} instance(s)" + (f" and {len(model.halves)} on half the cores each" if model.halves
-                                                   else "") + f", {batching}")
+            f"{len(model.runners)} instance(s){halves}, {batching}")
