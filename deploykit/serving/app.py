@@ -14,10 +14,10 @@ import logging
 import re
 import time
 import zlib
+from collections.abc import Callable
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from deploykit.errors import EnvironmentProblem
@@ -179,7 +179,7 @@ class InferRoute:
         started = time.perf_counter()
         try:
             model = requests.find_model(self.served, name, version)
-            body, header_length = await self.infer(model, Headers(scope=scope), receive, scope.get("client"))
+            body, header_length = await self.infer(model, request_headers(scope), receive, scope.get("client"))
         except RequestError as error:
             requests.count(self.metrics, self.served, name, started, error)
             return error.status, _json_headers(error.headers), _error_body(error)
@@ -194,7 +194,7 @@ class InferRoute:
         return 200, [(b"content-type", b"application/octet-stream"),
                      (protocol.HEADER_LENGTH.lower().encode(), str(header_length).encode())], body
 
-    async def infer(self, model: ServedModel, headers: Headers, receive, connection) -> tuple[bytes, int | None]:
+    async def infer(self, model: ServedModel, headers: dict[str, str], receive, connection) -> tuple[bytes, int | None]:
         batcher, header_length = self.batchers[model.name], headers.get(protocol.HEADER_LENGTH.lower())
         with _body_buffer(batcher, headers, self.limits.max_request_bytes) as into:
             async def parse() -> protocol.InferRequest:
@@ -205,7 +205,7 @@ class InferRoute:
         return protocol.encode_response(model.name, request, names, outputs)
 
 
-def _body_buffer(batcher, headers: Headers, limit: int):
+def _body_buffer(batcher, headers: dict[str, str], limit: int):
     """The batcher's buffer for a body of binary tensors (``serve --workers``: shared memory, which the
     tensors are then read from where they lie), where its length is declared and it is not compressed;
     else a context of None (the body is read into memory of its own)."""
@@ -236,7 +236,7 @@ class AuthAndAccessLog:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started, headers = time.perf_counter(), Headers(scope=scope)
+        started, headers = time.perf_counter(), request_headers(scope)
         request_id = access.request_id(headers.get("x-request-id"))
 
         async def send_with_id(message):
@@ -254,18 +254,29 @@ class AuthAndAccessLog:
         await self.app(scope, receive, send_with_id)
 
 
+def request_headers(scope) -> dict[str, str]:
+    """The request's headers by name (ASGI lowercases names), the first of a repeated one: read once
+    per request, where Starlette's ``Headers`` scans every header again on each lookup."""
+    found: dict[str, str] = {}
+    for name, value in scope["headers"]:
+        found.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+    return found
+
+
 def error_response(error: RequestError) -> JSONResponse:
     return JSONResponse({"error": str(error)}, status_code=error.status, headers=error.headers)
 
 
-async def read_body(receive, headers: Headers, limit: int, into: memoryview | None = None) -> bytes | memoryview:
+async def read_body(receive, headers: dict[str, str], limit: int, into: memoryview | None = None) -> bytes | memoryview:
     """The body, decompressed where the client says so, refused (413) as soon as it passes ``limit``;
     ``into``: a view of the body's declared length to read it into (``_body_buffer``), which is returned."""
-    too_large = RequestError(413, f"the request is larger than {limit} bytes (--max-request-mb): send fewer "
-                                  "rows per request", "too_large")
+    def too_large():
+        return RequestError(413, f"the request is larger than {limit} bytes (--max-request-mb): send fewer "
+                                 "rows per request", "too_large")
+
     declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
+        raise too_large()
     chunks, size, more = [], 0, True
     while more:
         message = await receive()
@@ -274,7 +285,7 @@ async def read_body(receive, headers: Headers, limit: int, into: memoryview | No
         chunk, more = message.get("body", b""), message.get("more_body", False)
         size += len(chunk)
         if size > limit:
-            raise too_large
+            raise too_large()
         if into is None:
             chunks.append(chunk)
         elif size <= len(into):
@@ -287,7 +298,7 @@ async def read_body(receive, headers: Headers, limit: int, into: memoryview | No
     return _decompressed(body, headers.get("content-encoding"), limit, too_large)
 
 
-def _decompressed(body: bytes, encoding: str | None, limit: int, too_large: RequestError) -> bytes:
+def _decompressed(body: bytes, encoding: str | None, limit: int, too_large: Callable[[], RequestError]) -> bytes:
     if encoding in (None, "", "identity"):
         return body
     if encoding not in ("gzip", "deflate"):
@@ -298,11 +309,11 @@ def _decompressed(body: bytes, encoding: str | None, limit: int, too_large: Requ
     except zlib.error as error:
         raise protocol.bad(f"the body is not valid {encoding} ({error})") from None
     if len(plain) > limit or inflater.unconsumed_tail:
-        raise too_large
+        raise too_large()
     return plain
 
 
-def _log_access(scope, headers: Headers, status: int, request_id: str, started: float) -> None:
+def _log_access(scope, headers: dict[str, str], status: int, request_id: str, started: float) -> None:
     client, length = scope.get("client"), headers.get("content-length", "")
     access.log_line(method=scope["method"], path=scope["path"], client=f"{client[0]}:{client[1]}" if client else None,
                     status=status, request=request_id, started=started, bytes_in=int(length) if length.isdigit() else 0)

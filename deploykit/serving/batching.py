@@ -20,9 +20,11 @@ Threads, not the event loop: runners release the GIL while they compute (ONNX Ru
 TensorRT), so N instances run N batches at once while the loop keeps parsing requests.
 
 Lanes (a CPU model with ``halves``): two workers, each with a runner on half the cores. The first
-runs a batch on the instance with every core (the lowest latency) unless a full batch waits behind it
-or the second lane is busy; then it runs on its half, and only while it does, the second lane takes
-the next batch and runs it on the other half. Under load the two batches run side by side, which
+runs a batch on the instance with every core (the lowest latency) unless the second lane is busy or a
+full batch's rows wait behind it or are on their way (being read, or due back from clients just
+answered: judged on the queue alone, a lane that took the queued rows ran wide while the answered
+clients' next requests piled up behind it); then it runs on its half, and only while it does, the
+second lane takes the next batch and runs it on the other half. Under load the two batches run side by side, which
 takes more batches a second where requests are parsed on the same cores (BENCHMARKS.md), and no run
 ever shares its cores. A lone request always finds the first lane, so it never runs on half the cores.
 """
@@ -134,7 +136,7 @@ class Batcher:
         return self._rows
 
     def _queue_changed(self) -> None:
-        self.metrics.queue_depth.labels(self.model.name).set(len(self._queue))
+        self.metrics.child(self.metrics.queue_depth, self.model.name).set(len(self._queue))
 
     def wait_warm(self) -> None:
         """Return once every worker has warmed its runner up (or failed to, which it logged)."""
@@ -163,7 +165,7 @@ class Batcher:
             yield runner
             return
         with self._ready:
-            wide = not second and not self._second_busy and self._rows < self.model.max_batch
+            wide = not second and not self._second_busy and self._rows_to_come() < self.model.max_batch
             if not second and not wide:
                 self._first_on_half = True
                 self._ready.notify_all()  # the second lane may take the next batch now
@@ -175,6 +177,10 @@ class Batcher:
                     self._second_busy = False
                 elif not wide:
                     self._first_on_half = False
+
+    def _rows_to_come(self) -> int:
+        """Rows queued or on their way (one per request being read or due back from an answered client)."""
+        return self._rows + self._arriving + len(self._answered)
 
     def _warm_up(self, runner) -> None:
         model = self.model

@@ -40,16 +40,27 @@ class Metrics:
         self.run_latency = Histogram("deploykit_run_latency_seconds", "Time of one model run (one batch).",
                                      ["model"], buckets=LATENCY_BUCKETS, **labelled)
 
+        self._children: dict[tuple, object] = {}
+
+    def child(self, metric, *labels: str):
+        """``metric.labels(*labels)``, kept: prometheus-client validates and locks on every call, which
+        the hot path pays per request. The labels are served models, statuses and reasons: few."""
+        key = (metric, labels)
+        if (found := self._children.get(key)) is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
     def observe_run(self, model: str, rows: int, started: float, arrivals: list[float]) -> None:
-        self.batch_size.labels(model).observe(rows)
-        self.run_latency.labels(model).observe(time.perf_counter() - started)
+        self.child(self.batch_size, model).observe(rows)
+        self.child(self.run_latency, model).observe(time.perf_counter() - started)
+        queue_latency = self.child(self.queue_latency, model)
         for arrived in arrivals:
-            self.queue_latency.labels(model).observe(started - arrived)
+            queue_latency.observe(started - arrived)
 
     def answered(self, model: str, status: int, reason: str | None = None) -> None:
-        self.requests.labels(model, str(status)).inc()
+        self.child(self.requests, model, str(status)).inc()
         if reason is not None:
-            self.errors.labels(model, reason).inc()
+            self.child(self.errors, model, reason).inc()
 
     def render(self) -> tuple[bytes, str]:
         if shared := os.environ.get(MULTIPROCESS_DIR):

@@ -30,7 +30,7 @@ def check_token(metrics, authorization: str | None, token: str | None) -> None:
     None: the server asks for none."""
     if token is None or access.authorized(authorization, token):
         return
-    metrics.errors.labels(UNKNOWN, "unauthorized").inc()
+    metrics.child(metrics.errors, UNKNOWN, "unauthorized").inc()
     raise RequestError(401, access.UNAUTHORIZED, "unauthorized", {"WWW-Authenticate": "Bearer"})
 
 
@@ -56,4 +56,4 @@ def count(metrics, served: dict, name: str, started: float, error: RequestError 
         metrics.answered(label, error.status, error.reason)
         return
     metrics.answered(label, 200)
-    metrics.request_latency.labels(label).observe(time.perf_counter() - started)
+    metrics.child(metrics.request_latency, label).observe(time.perf_counter() - started)

@@ -234,6 +234,21 @@ def test_lanes_run_a_lone_batch_on_every_core_and_two_waiting_batches_on_half_th
         np.testing.assert_array_equal(future.result(timeout=5)["y"], np.full((2, 2), 2 * value, np.float32))
 
 
+def test_lanes_leave_the_other_half_of_the_cores_to_requests_on_their_way():
+    """Two requests being read make a batch's worth: the first lane runs on its half, not on every core."""
+    wide, first, second = GatedRunner(), GatedRunner(), GatedRunner()
+    model = ServedModel("lanes", Path("lanes"), [wide], ["cpu"], max_batch=2, buckets=[], allow_nan=False,
+                        halves=[first, second])
+    batcher = Batcher(model, max_delay_s=0, max_queue=8, metrics=Metrics())
+    with batcher.arriving("a"), batcher.arriving("b"):
+        pending = batcher.submit({"x": np.ones((2, 2), np.float32)}, 2)
+        assert first.started.get(timeout=5) == 2
+    assert wide.started.empty()
+    first.go.release()
+    batcher.close()
+    np.testing.assert_array_equal(pending.result(timeout=5)["y"], np.full((2, 2), 2, np.float32))
+
+
 class RecordingRunner:
     """Doubles its input and records each run's rows and thread; ``fail_rows``: raise on such a run."""
 

@@ -226,8 +226,6 @@ def test_tensors_read_into_a_body_buffer_stay_there(tmp_path):
 def test_a_body_is_read_into_the_batchers_buffer_when_its_binary_tensors_can_be_found_there(tmp_path):
     """app._body_buffer lends the batcher's buffer only for a declared, uncompressed body with a binary
     part within the limit; read_body fills it chunk by chunk, and a body shorter than declared is refused."""
-    from starlette.datastructures import Headers
-
     from deploykit.serving.app import _body_buffer, read_body
     from deploykit.serving.model_host import RemoteBatcher
 
@@ -235,7 +233,7 @@ def test_a_body_is_read_into_the_batchers_buffer_when_its_binary_tensors_can_be_
     batcher = RemoteBatcher(link, "double")
 
     def lent(limit=1 << 20, **headers):
-        with _body_buffer(batcher, Headers(headers), limit) as view:
+        with _body_buffer(batcher, headers, limit) as view:
             return view is not None
 
     binary = {"content-length": "100", "inference-header-content-length": "20"}
@@ -246,7 +244,7 @@ def test_a_body_is_read_into_the_batchers_buffer_when_its_binary_tensors_can_be_
     async def received(chunks, into):
         messages = iter([{"type": "http.request", "body": chunk, "more_body": index < len(chunks) - 1}
                          for index, chunk in enumerate(chunks)])
-        return await read_body(lambda: asyncio.sleep(0, next(messages)), Headers({}), 1 << 20, into)
+        return await read_body(lambda: asyncio.sleep(0, next(messages)), {}, 1 << 20, into)
 
     into = memoryview(bytearray(10))
     assert asyncio.run(received([b"0123", b"456789"], into)) is into and bytes(into) == b"0123456789"
