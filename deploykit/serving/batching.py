@@ -24,9 +24,10 @@ runs a batch on the instance with every core (the lowest latency) unless the sec
 full batch's rows wait behind it or are on their way (being read, or due back from clients just
 answered: judged on the queue alone, a lane that took the queued rows ran wide while the answered
 clients' next requests piled up behind it); then it runs on its half, and only while it does, the
-second lane takes the next batch and runs it on the other half. Under load the two batches run side by side, which
-takes more batches a second where requests are parsed on the same cores (BENCHMARKS.md), and no run
-ever shares its cores. A lone request always finds the first lane, so it never runs on half the cores.
+second lane takes the next batch and runs it on the other half. Under load the two batches run side
+by side, which takes more batches a second where requests are parsed on the same cores
+(BENCHMARKS.md), and no run ever shares its cores. A lone request always finds the first lane, so it
+never runs on half the cores.
 """
 
 from __future__ import annotations
