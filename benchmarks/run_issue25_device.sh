@@ -24,7 +24,7 @@
 # GPU busy %: nvidia-smi's utilization sampled every 200 ms during each concurrency level (busy.txt beside it).
 # Inside the servers: each one's /metrics before and after each level (serve_metrics.py): the mean batch, queue
 # wait, run and time in the server, which summary.md sets beside perf_analyzer's latency.
-# PROFILE_LEVEL=N (with py-spy on PATH): every server process's Python stacks sampled for 10 s during level N
+# PROFILE_LEVEL=N (with py-spy on PATH; stage_device.sh stages it for the GPU machine): every server process's Python stacks sampled for 10 s during level N
 # (py-spy-PID.txt beside its CSV; raw format: one line per distinct stack, then its sample count).
 # ROUNDS=N: the serve and triton steps repeated N times, one server after the other (results in roundK/;
 # summary.md has the medians and each throughput's range).
@@ -37,6 +37,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 callers_path=${PYTHONPATH:-}  # e.g. /tmp/ortsite (onnxruntime-gpu): setup hands it to Triton's stub too
 export PYTHONPATH="$root:$root/tests/helpers:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 COLUMNS=200
 export WORK=${WORK:-/tmp/dk-issue13} DEPLOYKIT_CACHE=${DEPLOYKIT_CACHE:-/tmp/dk-cache}
+[ ! -d /tmp/test-tools/bin ] || export PATH=/tmp/test-tools/bin:$PATH  # py-spy, from setup (stage_device.sh)
 device=${DEVICE:-cuda:0}
 if [ "$device" = cpu ]; then
   models=${MODELS:-resnetv2_18} precision=fp32 max_batch=8 levels=${LEVELS:-1 8 32} workers=${WORKERS:-1}

@@ -23,7 +23,9 @@
 #                        here with deploykit.native.build.fetch_headers() and json_headers(); the op library's
 #                        and the C++ runtime's builds read them)
 #                        and site/ (pytest-xdist and execnet, unzipped wheels: tests/gpu runs on several
-#                        workers there). setup untars it into $DEPLOYKIT_CACHE/headers and /tmp/test-site.
+#                        workers there), and bin/py-spy (a static binary, from its wheel: PROFILE_LEVEL and
+#                        stacks of a server's processes there). setup untars it into $DEPLOYKIT_CACHE/headers,
+#                        /tmp/test-site and /tmp/test-tools/bin, which run_issue25_device.sh puts on PATH.
 #   ort0 .. ortN         onnxruntime-gpu, in parts of 55 MiB, by ../shared/gpu/stage-ort-gpu (cut again here).
 # The calls that carry them (2026-12-05, a 5 MiB checkout): one per full part (a 59 MiB part with the checkout
 # was refused as over 64 MiB), the last part with triton-cache.tar.xz (unpack it into $DEPLOYKIT_CACHE/triton
@@ -170,7 +172,11 @@ else
   python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: -d "$tmp/xdist-wheels" \
     pytest-xdist execnet
   for wheel in "$tmp"/xdist-wheels/*.whl; do "$python" -m zipfile -e "$wheel" "$tmp/tools/site"; done
-  tar -C "$tmp/tools" --sort=name --owner=0 --group=0 --numeric-owner -cf - headers site | xz -T0 -9 > "$out/test-tools.tar.xz"
+  python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: -d "$tmp/py-spy-wheel" \
+    --python-version "$gpu_python" --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 py-spy
+  "$python" -m zipfile -e "$tmp"/py-spy-wheel/*.whl "$tmp/py-spy"
+  mkdir -p "$tmp/tools/bin" && install -m 755 "$tmp"/py-spy/*.data/scripts/py-spy "$tmp/tools/bin/py-spy"
+  tar -C "$tmp/tools" --sort=name --owner=0 --group=0 --numeric-owner -cf - bin headers site | xz -T0 -9 > "$out/test-tools.tar.xz"
 fi
 
 # ---------------------------------------------------------------- 4. onnxruntime-gpu parts
