@@ -37,9 +37,9 @@ from deploykit.cli._printing import print_notes
                    "lets one batch compute while the next one forms.")
 @click.option("--split-cores", is_flag=True,
               help="On a CPU with one ONNX Runtime instance: also load two runners on half the cores each, which "
-                   "run two batches side by side while a full batch waits behind the one starting (a lone batch "
-                   "still gets every core). More requests a second under heavy load, a higher p99; two more copies "
-                   "of the model in memory.")
+                   "run two batches side by side while a full batch's rows wait or are on their way behind the one "
+                   "starting (a lone batch still gets every core). More requests a second under heavy load; two "
+                   "more copies of the model in memory.")
 @click.option("--max-batch", type=click.IntRange(min=1), help="Rows per run (default: the bundle's maximum batch).")
 @click.option("--max-delay-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
               help="How long the oldest queued request waits for others to join its batch.")

@@ -161,7 +161,8 @@ class Batcher:
     @contextlib.contextmanager
     def _lane_runner(self, runner, second: bool):
         """The runner for a batch just taken: the worker's own, except for the first of two lanes (the
-        module's docstring), which takes every core unless the second lane is busy or a full batch waits."""
+        module's docstring), which takes every core unless the second lane is busy or a full batch's rows
+        wait or are on their way (``_rows_to_come``)."""
         if not self.model.halves:
             yield runner
             return

@@ -202,7 +202,6 @@ def test_access_log_is_one_json_line_per_request(server):
     assert entry["path"] == "/v2/models/tabular" and entry["status"] == 200 and entry["method"] == "GET"
 
 
-
 def test_split_cores_answers_concurrent_requests_on_every_lane(bundle, reference):
     """--split-cores: lone and queued requests alike answered as deploykit.load answers them, whichever
     runner (every core, or one of the two halves) ran their batch."""
