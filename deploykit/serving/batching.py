@@ -49,7 +49,7 @@ from deploykit.errors import BadInputError
 from deploykit.serving.gpu_health import lost_context, lost_message
 from deploykit.serving.models import ServedModel
 from deploykit.serving.protocol import RequestError
-from deploykit.serving.staging import PinnedStaging, copy_rows
+from deploykit.serving.staging import PinnedStaging, copy_rows, host_answers
 
 log = logging.getLogger("deploykit.serve")
 
@@ -287,11 +287,14 @@ def run_rows(model: ServedModel, runner, requests: list[dict[str, np.ndarray]], 
     feeds = _batch_feeds(model, requests, sum(rows), staging)
     try:
         outputs = runner.run(feeds)
+        if not model.batching:  # one request, its outputs whole
+            return [{name: value if isinstance(value, np.ndarray) else torch_to_host(value)
+                     for name, value in outputs.items()}]
+        return staging.answers(outputs, requests, rows) if staging is not None else host_answers(outputs, rows)
     except Exception:
         if staging is not None:
             staging.drain()
         raise
-    return _split(model, _on_host(outputs), rows)
 
 
 def _batch_feeds(model: ServedModel, requests: list[dict[str, np.ndarray]], rows: int,
@@ -315,31 +318,10 @@ def _batch_feeds(model: ServedModel, requests: list[dict[str, np.ndarray]], rows
     return feeds
 
 
-def _on_host(outputs: dict) -> dict:
-    """A run's outputs as numpy: a GPU batch (``DeviceStaging``) makes the runner answer with torch
-    tensors on the GPU; copying them here also waits for the run, after which the request buffers
-    its rows were copied from may be reused."""
-    return {name: value if isinstance(value, np.ndarray) else torch_to_host(value) for name, value in outputs.items()}
-
-
 def _bucket(buckets: list[int], rows: int) -> int:
     """The smallest bucket that holds ``rows`` (the rows themselves without buckets, or beyond them)."""
     index = bisect.bisect_left(buckets, rows)
     return buckets[index] if index < len(buckets) else rows
-
-
-def _split(model: ServedModel, outputs: dict, rows: list[int]) -> list[dict]:
-    """Each request's rows of the run's outputs (padding rows dropped)."""
-    if not model.batching:
-        return [outputs]
-    have, wanted = {name: np.shape(value)[0] for name, value in outputs.items()}, sum(rows)
-    if any(n < wanted for n in have.values()):
-        raise RuntimeError(f"outputs have {have} rows for {wanted} input rows: serve with --max-batch 1")
-    results, start = [], 0
-    for count in rows:
-        results.append({name: value[start:start + count] for name, value in outputs.items()})
-        start += count
-    return results
 
 
 def as_request_error(error: Exception, model: str) -> RequestError:

@@ -42,11 +42,9 @@ from pathlib import Path
 import numpy as np
 
 from deploykit.serving.protocol import RequestError
-from deploykit.serving.staging import DeviceStaging, HostRegistry
+from deploykit.serving.staging import ALIGN, DeviceStaging, HostRegistry, buffer_layout, buffer_views
 
 log = logging.getLogger("deploykit.serve")
-#: Alignment of each tensor in a request buffer: our kernels refuse misaligned pointers.
-ALIGN = 64
 #: An answer's tensors up to this size go through the pipe; larger ones into the request's buffer.
 INLINE_BYTES = 64 << 10
 
@@ -83,7 +81,7 @@ class Buffer:
 
     @functools.cached_property
     def address(self) -> int:
-        return np.frombuffer(self.memory, np.uint8).ctypes.data
+        return _address(self.memory)
 
 
 @dataclasses.dataclass(eq=False)  # one lending of a buffer, told apart from its later lendings
@@ -134,7 +132,7 @@ class SharedBuffers:
         if any(array.dtype.hasobject for array in inputs.values()):
             return None, ("inline", inputs)
         for lease in self._lent:
-            if (layout := _layout_in(lease.buffer, inputs)) is not None:
+            if (layout := _layout_in(lease.buffer.address, lease.buffer.size, inputs)) is not None:
                 self._lent.remove(lease)
                 return lease.buffer, ("shm", lease.buffer.path, layout)
         layout, end = _layout(inputs)
@@ -259,7 +257,7 @@ class HostLink:
         for request, kind, payload in answers:
             future, buffer = self._pending.pop(request)
             if kind == "shm":  # copied out: the buffer serves the next request
-                payload = {name: array.copy() for name, array in _read(buffer.memory, payload).items()}
+                payload = {name: array.copy() for name, array in buffer_views(buffer.memory, payload).items()}
             self.buffers.release(buffer)
             _settle(future, kind, payload)
 
@@ -311,31 +309,24 @@ def _settle(future: Future, kind: str, payload) -> None:
 
 def _layout(arrays: dict[str, np.ndarray]) -> tuple[list[tuple], int]:
     """Where each array goes in a buffer, ``[(name, dtype, shape, offset)]``, and the bytes they take."""
-    layout, end = [], 0
-    for name, array in arrays.items():
-        layout.append((name, array.dtype, array.shape, end))
-        end += -(-array.nbytes // ALIGN) * ALIGN
-    return layout, end
+    return buffer_layout((name, array.dtype, array.shape) for name, array in arrays.items())
 
 
-def _layout_in(buffer: Buffer, arrays: dict[str, np.ndarray]) -> list[tuple] | None:
-    """The layout of ``arrays`` where each is a contiguous, aligned stretch of ``buffer``; else None."""
+def _layout_in(address: int, size: int, arrays: dict[str, np.ndarray]) -> list[tuple] | None:
+    """The layout of ``arrays`` where each is a contiguous, aligned stretch of the ``size`` bytes at
+    ``address`` (a buffer); else None."""
     layout = []
     for name, array in arrays.items():
-        offset = array.ctypes.data - buffer.address
-        if offset % ALIGN or not 0 <= offset <= buffer.size - array.nbytes or not array.flags.c_contiguous:
+        offset = array.ctypes.data - address
+        if offset % ALIGN or not 0 <= offset <= size - array.nbytes or not array.flags.c_contiguous:
             return None
         layout.append((name, array.dtype, array.shape, offset))
     return layout
 
 
 def _write(memory: mmap.mmap, layout: list[tuple], arrays: dict[str, np.ndarray]) -> None:
-    for view, (name, *_) in zip(_read(memory, layout).values(), layout):
+    for view, (name, *_) in zip(buffer_views(memory, layout).values(), layout):
         np.copyto(view, arrays[name])
-
-
-def _read(memory: mmap.mmap, layout: list[tuple]) -> dict[str, np.ndarray]:
-    return {name: np.ndarray(shape, dtype, buffer=memory, offset=offset) for name, dtype, shape, offset in layout}
 
 
 def _as_error(error: Exception) -> tuple:
@@ -390,9 +381,12 @@ class Outbox:
 
 def _packed(request: int, answer, buffer: mmap.mmap | None) -> tuple:
     """``(request, kind, payload)``: kind ``error`` (RequestError's fields), ``shm`` (the outputs'
-    layout in the request's buffer) or ``outputs``."""
+    layout in the request's buffer: written there now, or where the GPU copied them, ``DeviceStaging``)
+    or ``outputs``."""
     if isinstance(answer, BaseException):
         return request, "error", _as_error(answer)
+    if buffer is not None and (placed := _layout_in(_address(buffer), len(buffer), answer)) is not None:
+        return request, "shm", placed
     layout, size = _layout(answer)
     if buffer is None or size <= INLINE_BYTES or size > len(buffer) or any(a.dtype.hasobject for a in answer.values()):
         return request, "outputs", answer
@@ -401,6 +395,10 @@ def _packed(request: int, answer, buffer: mmap.mmap | None) -> tuple:
         return request, "outputs", answer
     _write(buffer, layout, answer)
     return request, "shm", layout
+
+
+def _address(memory: mmap.mmap) -> int:
+    return np.frombuffer(memory, np.uint8).ctypes.data
 
 
 def serve_workers(connections: list, batchers: dict, outbox: Outbox, registry: HostRegistry | None = None) -> None:
@@ -449,7 +447,7 @@ def _arrays(tensors: tuple, mapped: dict[str, mmap.mmap],
             memory = mapped[path] = mmap.mmap(file.fileno(), 0)
         if registry is not None:
             registry.add(memory)
-    return _read(memory, layout), memory
+    return buffer_views(memory, layout), memory
 
 
 def run_model_process(paths, options, limits, connections, events) -> None:

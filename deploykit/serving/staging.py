@@ -21,7 +21,14 @@ copy was a third of the time the model process held the GIL (600 KB per image, h
 above). The copies are queued in one ``torch._foreach_copy_`` call, which lets go of the GIL once
 for the whole batch: a ``copy_`` per request (tried on 2026-12-03) gave it up and waited for it
 again 32 times a batch, and served fewer requests than the host copy. Small rows (a few KB of token
-ids) still go through the host, where copying them costs less than a transfer each.
+ids) are gathered on the host, where copying them costs less than a transfer each, and go to the
+GPU as one batch.
+
+Answers take the same road back. A runner fed GPU tensors answers with GPU tensors, and only the
+rows that hold data come back (a batch of 5 requests padded to 32 copies 5 rows, not 32). Where
+each request's rows are large (a BERT request's hidden states are 393 KB) they go by DMA straight
+into the request's own page-locked buffer, which its worker reads the answer from: no pageable
+copy, no second copy on the host.
 """
 
 from __future__ import annotations
@@ -34,9 +41,11 @@ import mmap
 
 import numpy as np
 
-from deploykit.backends.base.memory import torch_from_host
+from deploykit.backends.base.memory import torch_from_host, torch_to_host
 
 log = logging.getLogger("deploykit.serve")
+#: Alignment of each tensor in a request buffer: our kernels refuse misaligned pointers.
+ALIGN = 64
 
 
 def _memmove_holding_gil():
@@ -76,6 +85,43 @@ def copy_rows(parts: list[np.ndarray], out: np.ndarray) -> None:
         start = stop
 
 
+def buffer_layout(tensors) -> tuple[list[tuple], int]:
+    """Where each of ``tensors`` (``(name, numpy dtype, shape)``) lies in a request buffer, one after
+    the other on ``ALIGN``-byte boundaries: ``[(name, dtype, shape, offset)]``, and the bytes they take."""
+    layout, end = [], 0
+    for name, dtype, shape in tensors:
+        layout.append((name, dtype, tuple(shape), end))
+        end += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // ALIGN) * ALIGN
+    return layout, end
+
+
+def buffer_views(memory: mmap.mmap, layout: list[tuple]) -> dict[str, np.ndarray]:
+    """The arrays ``layout`` places in ``memory`` (views, not copies)."""
+    return {name: np.ndarray(shape, dtype, buffer=memory, offset=offset) for name, dtype, shape, offset in layout}
+
+
+def split_rows(outputs: dict, rows: list[int]) -> list[dict]:
+    """Each request's rows of a batch's outputs (``rows``: each request's count, in order; rows
+    beyond them are padding and dropped)."""
+    have, wanted = {name: np.shape(value)[0] for name, value in outputs.items()}, sum(rows)
+    if any(n < wanted for n in have.values()):
+        raise RuntimeError(f"outputs have {have} rows for {wanted} input rows: serve with --max-batch 1")
+    results, start = [], 0
+    for count in rows:
+        results.append({name: value[start:start + count] for name, value in outputs.items()})
+        start += count
+    return results
+
+
+def host_answers(outputs: dict, rows: list[int]) -> list[dict]:
+    """Each request's rows of a run's outputs, as numpy. Outputs on the GPU come back in one copy of
+    the rows that hold data; the copy waits for the run, after which the buffers the batch was read
+    from may be reused."""
+    wanted = sum(rows)
+    return split_rows({name: value if isinstance(value, np.ndarray) else torch_to_host(value[:wanted])
+                       for name, value in outputs.items()}, rows)
+
+
 class PinnedStaging:
     """One runner's batch buffers in page-locked memory (torch's pinned host allocator)."""
 
@@ -95,6 +141,10 @@ class PinnedStaging:
         """One batch per input: the requests' arrays of that name, zero rows up to ``size``."""
         return {name: self.assemble(name, [inputs[name] for inputs in requests], rows, size) for name in names}
 
+    def answers(self, outputs: dict, requests: list[dict[str, np.ndarray]], rows: list[int]) -> list[dict]:
+        """Each request's rows of a run's outputs, as numpy (``host_answers``)."""
+        return host_answers(outputs, rows)
+
     def drain(self) -> None:
         """After a failed run: nothing of a request is still being read (the host copy is done)."""
 
@@ -107,7 +157,7 @@ class PinnedStaging:
         filled = self._filled[name]
         if filled > rows:
             batch[rows:min(filled, size)] = 0
-        self._filled[name] = rows
+        self._filled[name] = _still_filled(filled, rows, size)
         return batch
 
     def _buffer(self, name: str, size: int, trailing: tuple, dtype: np.dtype) -> np.ndarray:
@@ -131,7 +181,8 @@ class DeviceStaging(PinnedStaging):
     """One runner's batches on its GPU, each request's rows copied there by DMA from shared memory
     that ``registry`` page-locked; batches with other rows (requests that came through the pipe,
     a buffer the driver refused to lock, small rows) are assembled on the host as ``PinnedStaging``
-    does. Its feeds are then torch tensors on the GPU, and so are the runner's outputs."""
+    does, then copied to the GPU whole. Its feeds are torch tensors on the GPU, and so are the
+    runner's outputs, whose rows go back by DMA into the requests' buffers (``answers``)."""
 
     def __init__(self, torch, device, registry: HostRegistry):
         super().__init__(torch)
@@ -150,7 +201,8 @@ class DeviceStaging(PinnedStaging):
         every = [part for group in parts.values() for part in group]
         small = sum(part.nbytes for part in every) < DMA_MIN_BYTES * len(requests)
         if small or not all(map(self.registry.holds, every)):
-            return super().feeds(names, requests, rows, size)
+            return {name: self._to_device(name, batch, rows)
+                    for name, batch in super().feeds(names, requests, rows, size).items()}
         targets, sources, feeds = [], [], {}
         for name, group in parts.items():
             group = [torch_from_host(part) for part in group]
@@ -164,16 +216,66 @@ class DeviceStaging(PinnedStaging):
             if stale > 0:
                 targets.append(batch[rows:rows + stale])
                 sources.append(staged.zeros[:stale])
-            staged.filled = rows
+            staged.filled = _still_filled(staged.filled, rows, size)
             feeds[name] = batch
         self.torch._foreach_copy_(targets, sources, non_blocking=True)  # the GIL let go of once
         return feeds
+
+    def answers(self, outputs: dict, requests: list[dict[str, np.ndarray]], rows: list[int]) -> list[dict]:
+        """Each request's rows of the outputs. Where they are large (``DMA_MIN_BYTES`` a request) and
+        every request came in a page-locked buffer with room for them, each request's rows go by DMA
+        straight into its own buffer, from its start (``buffer_layout``; its inputs are spent once the
+        run read them), where the model process answers from without copying them again
+        (``model_host``); else as ``PinnedStaging`` brings them back."""
+        placed = self._in_request_buffers(outputs, requests, rows)
+        if placed is None:
+            return super().answers(outputs, requests, rows)
+        answers, targets, sources = placed
+        self.torch._foreach_copy_(targets, sources, non_blocking=True)  # the GIL let go of once
+        self.torch.cuda.current_stream(self.device).synchronize()
+        return answers
+
+    def _in_request_buffers(self, outputs: dict, requests: list[dict[str, np.ndarray]], rows: list[int]):
+        """Each request's answer as views of its buffer, and the copies (targets, sources) that fill
+        them; None where the outputs are not large GPU tensors or a request has no buffer to take them."""
+        wanted = sum(rows)
+        if any(isinstance(value, np.ndarray) or value.shape[0] < wanted for value in outputs.values()):
+            return None
+        row_bytes = sum(value[0].numel() * value.element_size() for value in outputs.values())
+        if row_bytes * wanted < DMA_MIN_BYTES * len(requests):
+            return None
+        specs = [(name, torch_to_host(self.torch.empty(0, dtype=value.dtype)).dtype, tuple(value.shape[1:]))
+                 for name, value in outputs.items()]
+        answers, targets, sources, start, taken = [], [], [], 0, set()
+        for request, count in zip(requests, rows):
+            memory = self.registry.buffer_of(next(iter(request.values())))
+            layout, end = buffer_layout((name, dtype, (count, *shape)) for name, dtype, shape in specs)
+            if memory is None or end > len(memory) or id(memory) in taken:  # one buffer, one answer
+                return None
+            taken.add(id(memory))
+            answer = buffer_views(memory, layout)
+            targets += [torch_from_host(view) for view in answer.values()]
+            sources += [value[start:start + count] for value in outputs.values()]
+            answers.append(answer)
+            start += count
+        return answers, targets, sources
 
     def drain(self) -> None:
         """After a failed run: wait for the copies still reading request buffers, which their workers
         reuse once the requests are answered (a lost GPU context fails this too: nothing then reads)."""
         with contextlib.suppress(RuntimeError):
             self.torch.cuda.current_stream(self.device).synchronize()
+
+    def _to_device(self, name: str, batch: np.ndarray, rows: int):
+        """A batch assembled on the host (in page-locked memory, reused only once this batch's answers
+        are back: the copy has ended by then) as this input's batch tensor on the GPU."""
+        source = torch_from_host(batch)
+        size = batch.shape[0]
+        staged = self._staged(name, size, source)
+        target = staged.batch[:size]
+        target.copy_(source, non_blocking=True)
+        staged.filled = _still_filled(staged.filled, rows, size)
+        return target
 
     def _staged(self, name: str, size: int, first) -> _OnDevice:
         staged = self._on_device.get(name)
@@ -211,10 +313,14 @@ class HostRegistry:
 
     def holds(self, array: np.ndarray) -> bool:
         """Whether ``array`` views a page-locked buffer."""
+        return self.buffer_of(array) is not None
+
+    def buffer_of(self, array: np.ndarray) -> mmap.mmap | None:
+        """The page-locked buffer ``array`` views, if any."""
         base = array
         while isinstance(base, np.ndarray):
             base = base.base
-        return id(base) in self._registered
+        return base if id(base) in self._registered else None
 
     def add(self, memory: mmap.mmap) -> None:
         if self._refused or id(memory) in self._registered:
@@ -234,6 +340,12 @@ class HostRegistry:
         if address is not None:
             with self.torch.cuda.device(self.gpu):
                 self.torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def _still_filled(filled: int, rows: int, size: int) -> int:
+    """The rows of a buffer that may hold data after a batch of ``size`` rows (``rows`` of them data,
+    the rest zeroed) where ``filled`` rows may have before: rows beyond the batch keep theirs."""
+    return filled if filled > size else rows
 
 
 def _rows_to_allocate(buffer, size: int, trailing: tuple, dtype) -> int | None:

@@ -79,32 +79,39 @@ def test_one_instance_per_gpu(bundle):
 
 
 @pytest.fixture
-def shared_buffer(tmp_path):
-    """A 4 MiB request buffer mapped from the RAM disk, as ``serve --workers`` makes them (the driver
-    refuses to page-lock a mapping of a file on a disk)."""
+def shared_buffers(tmp_path):
+    """Request buffers of 4 MiB mapped from the RAM disk, as ``serve --workers`` makes them (the driver
+    refuses to page-lock a mapping of a file on a disk): ``shared_buffers(n)`` makes n."""
     import mmap
     import os
+    import shutil
     import tempfile
 
     folder = tempfile.mkdtemp(prefix="deploykit-test-", dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp_path)
-    path = os.path.join(folder, "buffer")
-    with open(path, "wb") as file:
-        file.truncate(4 << 20)
-    with open(path, "r+b") as file:
-        memory = mmap.mmap(file.fileno(), 0)
-    yield memory
-    os.unlink(path)
-    os.rmdir(folder)
+
+    def make(count: int) -> list:
+        memories = []
+        for index in range(count):
+            path = os.path.join(folder, f"buffer-{index}")
+            with open(path, "wb") as file:
+                file.truncate(4 << 20)
+            with open(path, "r+b") as file:
+                memories.append(mmap.mmap(file.fileno(), 0))
+        return memories
+
+    yield make
+    shutil.rmtree(folder)
 
 
-def test_batches_go_to_the_gpu_from_page_locked_shared_memory(shared_buffer):
+def test_batches_go_to_the_gpu_from_page_locked_shared_memory(shared_buffers):
     """Rows DMA'd from a page-locked shared-memory buffer into the GPU batch equal numpy's
     concatenation, padding rows that held data are zero again; rows in pageable memory are batched
-    on the host instead."""
+    on the host instead, then copied to the same GPU batch."""
     from deploykit.serving.staging import DeviceStaging, HostRegistry
 
     registry = HostRegistry(torch, 0)
     staging = DeviceStaging(torch, torch.device("cuda", 0), registry)
+    [shared_buffer] = shared_buffers(1)
     registry.add(shared_buffer)
     assert len(registry) == 1, "cudaHostRegister refused a shared-memory mapping"
     rng = np.random.default_rng(0)
@@ -118,15 +125,19 @@ def test_batches_go_to_the_gpu_from_page_locked_shared_memory(shared_buffer):
     np.testing.assert_array_equal(batch.cpu().numpy(), np.concatenate([shared[:1], zeros]))
     pageable = rng.standard_normal((2, 3, 64, 128)).astype(np.float32)
     on_host = staging.feeds(["x"], [{"x": shared[:1]}, {"x": pageable}], 3, 4)["x"]
-    np.testing.assert_array_equal(on_host, np.concatenate([shared[:1], pageable, zeros[:1]]))
+    assert on_host.data_ptr() == batch.data_ptr() and "x" in staging._buffers
+    np.testing.assert_array_equal(on_host.cpu().numpy(), np.concatenate([shared[:1], pageable, zeros[:1]]))
+    batch = staging.feeds(["x"], [{"x": shared[:2]}], 2, 8)["x"]  # rows 4-7 held data two batches ago
+    np.testing.assert_array_equal(batch.cpu().numpy(), np.concatenate([shared[:2], zeros, zeros[:3]]))
     registry.remove(shared_buffer)
     assert len(registry) == 0
 
 
-def test_a_gpu_batch_from_shared_memory_answers_as_the_runner_does(bundle, shared_buffer, monkeypatch):
-    """The model process's path for one batch: request rows in a page-locked buffer, batched on the
-    GPU (small rows let through here), run by ONNX Runtime's CUDA provider with CUDA inputs, the
-    outputs back on the host and split by request; equal to running each request alone."""
+def test_a_gpu_batch_from_shared_memory_answers_as_the_runner_does(bundle, shared_buffers, monkeypatch):
+    """The model process's path for one batch: request rows in page-locked buffers, batched on the
+    GPU, run by ONNX Runtime's CUDA provider with CUDA inputs, each request's rows of the outputs
+    copied by DMA into its own buffer (small rows and answers let through here), equal to running
+    each request alone; then the same requests with answers too small to be worth a DMA each."""
     from pathlib import Path
 
     from deploykit.serving import staging as staging_module
@@ -138,16 +149,27 @@ def test_a_gpu_batch_from_shared_memory_answers_as_the_runner_does(bundle, share
     runner = deploykit.load(bundle, backend="onnxruntime", device="cuda:0")
     model = ServedModel(MODEL, Path(bundle), [runner], ["cuda:0"], max_batch=4, buckets=[1, 2, 4], allow_nan=False)
     registry = HostRegistry(torch, 0)
-    registry.add(shared_buffer)
+    memories = shared_buffers(2)
+    for memory in memories:
+        registry.add(memory)
     staging = DeviceStaging(torch, torch.device("cuda", 0), registry)
-    features = np.ndarray((3, 13), np.float32, buffer=shared_buffer, offset=4096)
-    features[:] = np.random.default_rng(1).standard_normal(features.shape)
-    requests = [{"features": features[:2]}, {"features": features[2:]}]
+    rng = np.random.default_rng(1)
+    requests = []
+    for memory, rows in zip(memories, (2, 1)):
+        features = np.ndarray((rows, 13), np.float32, buffer=memory, offset=1 << 20)  # answers go from the start
+        features[:] = rng.standard_normal(features.shape)
+        requests.append({"features": features})
+    expected = [runner.run(features=np.array(request["features"])) for request in requests]
     answers = run_rows(model, runner, requests, [2, 1], staging)
     assert staging._on_device, "the batch was not assembled on the GPU"
-    for request, answer in zip(requests, answers):
-        expected = runner.run(features=np.array(request["features"]))
-        for name, value in expected.items():
+    for answer, memory, wanted in zip(answers, memories, expected):
+        for name, value in wanted.items():
+            assert np.shares_memory(answer[name], np.frombuffer(memory, np.uint8)), "not answered in the buffer"
+            np.testing.assert_allclose(answer[name], value, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(staging_module, "DMA_MIN_BYTES", 1 << 20)  # rows through the host, one copy of answers back
+    for answer, wanted in zip(run_rows(model, runner, requests, [2, 1], staging), expected):
+        for name, value in wanted.items():
             assert isinstance(answer[name], np.ndarray)
             np.testing.assert_allclose(answer[name], value, rtol=1e-5, atol=1e-6)
-    registry.remove(shared_buffer)
+    for memory in memories:
+        registry.remove(memory)

@@ -27,10 +27,10 @@ from deploykit.errors import BadInputError  # noqa: E402
 from deploykit.serving.batching import Batcher  # noqa: E402
 from deploykit.serving.metrics import Metrics  # noqa: E402
 from deploykit.serving.model_host import (  # noqa: E402
-    ALIGN, INLINE_BYTES, HostLink, Outbox, SharedBuffers, _packed, _read, model_view, serve_workers)
+    ALIGN, INLINE_BYTES, HostLink, Outbox, SharedBuffers, _packed, model_view, serve_workers)
 from deploykit.serving.models import ServedModel  # noqa: E402
 from deploykit.serving.protocol import RequestError  # noqa: E402
-from deploykit.serving.staging import PinnedStaging  # noqa: E402
+from deploykit.serving.staging import PinnedStaging, buffer_views  # noqa: E402
 
 
 class Doubler:
@@ -151,19 +151,24 @@ def test_large_answers_come_back_exactly_through_the_requests_buffer(host):
     assert [kind for _, kind, _ in sent[0]] == ["shm"]
 
 
-def test_an_answer_goes_into_the_buffer_only_when_large_fitting_and_not_aliasing_its_input(tmp_path):
+def test_an_answer_goes_into_the_buffer_only_when_large_fitting_and_not_overlapping_it_misaligned(tmp_path):
     buffers = SharedBuffers(tmp_path, "w", forget=lambda path: None)
     buffer, _ = buffers.put({"x": np.ones(8, np.uint8)})
     where = buffer.memory
     large = {"y": np.arange(INLINE_BYTES // 4 + 1, dtype=np.float32)}
     request, kind, layout = _packed(7, large, where)
     assert (request, kind) == (7, "shm")
-    np.testing.assert_array_equal(_read(buffer.memory, layout)["y"], large["y"])
+    np.testing.assert_array_equal(buffer_views(buffer.memory, layout)["y"], large["y"])
     assert _packed(1, {"y": np.ones(3)}, where)[1] == "outputs"  # small: the pipe is cheaper
     assert _packed(1, large, None)[1] == "outputs"  # the request came through the pipe
     assert _packed(1, {"y": np.zeros(buffer.size + 1, np.uint8)}, where)[1] == "outputs"  # larger than the buffer
-    aliasing = {"y": np.ndarray(INLINE_BYTES + 8, np.uint8, buffer=buffer.memory)}
-    assert _packed(1, aliasing, where)[1] == "outputs"
+    misaligned = {"y": np.ndarray(INLINE_BYTES + 8, np.uint8, buffer=buffer.memory, offset=8)}
+    assert _packed(1, misaligned, where)[1] == "outputs"  # it would overwrite itself
+    in_place = {"y": np.ndarray(16, np.float32, buffer=buffer.memory, offset=ALIGN)}  # as the GPU copied it there
+    in_place["y"][:] = np.arange(16)
+    request, kind, layout = _packed(2, in_place, where)
+    assert (kind, layout) == ("shm", [("y", np.dtype(np.float32), (16,), ALIGN)])
+    np.testing.assert_array_equal(buffer_views(buffer.memory, layout)["y"], np.arange(16))
     assert _packed(1, RequestError(400, "no"), where) == (1, "error", (400, "no", "bad_request", {}))
     buffers.close()
 
@@ -205,7 +210,7 @@ def test_tensors_read_into_a_body_buffer_stay_there(tmp_path):
         buffer, (kind, path, layout) = buffers.put({"x": parsed[0], "ids": parsed[1]})
     assert kind == "shm" and path == buffer.path
     assert [offset % ALIGN for *_, offset in layout] == [0, 0]
-    read = _read(buffer.memory, layout)
+    read = buffer_views(buffer.memory, layout)
     np.testing.assert_array_equal(read["x"], images)
     np.testing.assert_array_equal(read["ids"], ids)
     assert read["x"].ctypes.data == parsed[0].ctypes.data  # where it was read: not copied
@@ -218,7 +223,7 @@ def test_tensors_read_into_a_body_buffer_stay_there(tmp_path):
         copied, (_, _, layout) = buffers.put({"odd": parsed[0], "ids": parsed[1]})
         lent = buffers._lent[0].buffer
     assert copied is not lent and lent in buffers._free  # the body's buffer came back
-    np.testing.assert_array_equal(_read(copied.memory, layout)["ids"], ids)
+    np.testing.assert_array_equal(buffer_views(copied.memory, layout)["ids"], ids)
     del parsed, view
     buffers.close()
 

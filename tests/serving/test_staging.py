@@ -42,6 +42,17 @@ def test_rows_that_do_not_fit_are_refused(parts, shape):
         copy_rows(parts, np.empty(shape, np.float32))
 
 
+def test_host_batches_pad_with_zeros_where_an_earlier_larger_batch_left_rows():
+    from deploykit.serving.staging import PinnedStaging
+
+    staging = PinnedStaging(CpuTorch())
+    full = staging.assemble("x", [images(5, 0)], 5, 8)
+    staging.assemble("x", [images(1, 1)], 1, 2)  # rows 2-4 keep the first batch's data
+    again = staging.assemble("x", [images(2, 2)], 2, 8)
+    assert again.ctypes.data == full.ctypes.data
+    np.testing.assert_array_equal(again, np.concatenate([images(2, 2), np.zeros((6, 3, 64, 64), np.float32)]))
+
+
 def counted_while(copy) -> int:
     """How often a thread that lets go of the GIL at every step ran while ``copy()`` ran; with a long
     switch interval it runs only when the copying thread lets go of the GIL itself."""
@@ -79,20 +90,31 @@ def test_copying_keeps_the_gil_where_numpy_lets_it_go():
 
 
 class Registered:
-    """A HostRegistry that holds the memory of the arrays it is given (nothing is page-locked here)."""
+    """A HostRegistry that holds the memory of the arrays and the mapped buffers it is given (nothing
+    is page-locked here)."""
 
-    def __init__(self, *arrays: np.ndarray):
-        self.arrays = arrays
+    def __init__(self, *arrays: np.ndarray, buffers=()):
+        self.arrays, self.buffers = arrays, buffers
 
     def holds(self, array: np.ndarray) -> bool:
-        return any(np.may_share_memory(array, held) for held in self.arrays)
+        return any(np.may_share_memory(array, held) for held in self.arrays) or self.buffer_of(array) is not None
+
+    def buffer_of(self, array: np.ndarray):
+        base = array
+        while isinstance(base, np.ndarray):
+            base = base.base
+        return next((buffer for buffer in self.buffers if buffer is base), None)
 
 
 class CpuTorch:
-    """torch with the CPU for a GPU: page-locking asked for is left out (there is no driver here)."""
+    """torch with the CPU for a GPU: page-locking asked for is left out, and waiting for the GPU's
+    stream is nothing (there is no driver here)."""
 
     def __init__(self):
+        from types import SimpleNamespace
+
         self.torch = pytest.importorskip("torch")
+        self.cuda = SimpleNamespace(current_stream=lambda _device: SimpleNamespace(synchronize=lambda: None))
 
     def __getattr__(self, name):
         return getattr(self.torch, name)
@@ -123,18 +145,48 @@ def test_device_batches_pad_with_zero_rows_and_reuse_one_tensor():
     assert one.data_ptr() == full.data_ptr()  # the same tensor, the stale rows zeroed
 
 
-def test_device_batches_only_from_page_locked_rows_of_image_size():
+def test_page_locked_rows_of_image_size_go_by_dma_the_rest_through_the_host_into_one_device_batch():
     from deploykit.serving.staging import DMA_MIN_BYTES
 
-    locked, pageable = large_images(2, 0), large_images(2, 1)
+    locked, pageable = large_images(4, 0), large_images(2, 1)
     tokens = np.arange(2 * 128, dtype=np.int64).reshape(2, 128)
-    assert tokens.nbytes < DMA_MIN_BYTES <= locked.nbytes
+    assert tokens.nbytes < DMA_MIN_BYTES <= locked[:1].nbytes
     staging = device_staging(Registered(locked, tokens))
-    assert not isinstance(staging.feeds(["x"], [{"x": locked}], 2, 2)["x"], np.ndarray)
-    mixed = staging.feeds(["x"], [{"x": locked}, {"x": pageable}], 4, 4)["x"]  # on the host, as PinnedStaging does
-    assert isinstance(mixed, np.ndarray)
-    np.testing.assert_array_equal(mixed, np.concatenate([locked, pageable]))
-    assert isinstance(staging.feeds(["ids"], [{"ids": tokens}], 2, 2)["ids"], np.ndarray)
+    full = staging.feeds(["x"], [{"x": locked}], 4, 4)["x"]
+    assert "x" not in staging._buffers  # no host buffer: by DMA
+    mixed = staging.feeds(["x"], [{"x": locked[:1]}, {"x": pageable[:1]}], 2, 2)["x"]
+    assert "x" in staging._buffers and mixed.data_ptr() == full.data_ptr()  # through the host, into the same tensor
+    np.testing.assert_array_equal(mixed.numpy(), np.concatenate([locked[:1], pageable[:1]]))
+    again = staging.feeds(["x"], [{"x": locked[:3]}], 3, 4)["x"]  # row 3 held data two batches ago
+    np.testing.assert_array_equal(again.numpy(), np.concatenate([locked[:3], np.zeros_like(locked[:1])]))
+    ids = staging.feeds(["ids"], [{"ids": tokens}], 2, 2)["ids"]
+    assert "ids" in staging._buffers and not isinstance(ids, np.ndarray)
+    np.testing.assert_array_equal(ids.numpy(), tokens)
+
+
+def test_large_answers_go_into_each_requests_buffer_and_small_ones_come_back_in_one_copy():
+    import mmap
+
+    torch = pytest.importorskip("torch")
+    memories = [mmap.mmap(-1, 1 << 20), mmap.mmap(-1, 1 << 20)]
+    requests = [{"ids": np.ndarray((count, 8), np.int64, buffer=memory)} for memory, count in zip(memories, (1, 2))]
+    staging = device_staging(Registered(buffers=memories))
+    hidden = torch.arange(4 * 128 * 200, dtype=torch.float32).reshape(4, 128, 200)  # 100 KB a row; row 3 is padding
+    answers = staging.answers({"hidden": hidden, "pooled": hidden[:, 0]}, requests, [1, 2])
+    for answer, memory, rows in zip(answers, memories, (slice(0, 1), slice(1, 3))):
+        assert answer["hidden"].ctypes.data == np.frombuffer(memory, np.uint8).ctypes.data  # at the buffer's start
+        assert np.shares_memory(answer["pooled"], np.frombuffer(memory, np.uint8))
+        np.testing.assert_array_equal(answer["hidden"], hidden[rows].numpy())
+        np.testing.assert_array_equal(answer["pooled"], hidden[rows, 0].numpy())
+    small = staging.answers({"logits": torch.arange(40.0).reshape(4, 10)}, requests, [1, 2])
+    assert not any(np.shares_memory(answer["logits"], np.frombuffer(m, np.uint8)) for answer, m in zip(small, memories))
+    np.testing.assert_array_equal(small[1]["logits"], np.arange(10.0, 30.0).reshape(2, 10))
+    pageable = [{"ids": np.zeros((1, 8), np.int64)}, requests[1]]
+    through_host = staging.answers({"hidden": hidden}, pageable, [1, 2])
+    assert not np.shares_memory(through_host[1]["hidden"], np.frombuffer(memories[1], np.uint8))
+    np.testing.assert_array_equal(through_host[1]["hidden"], hidden[1:3].numpy())
+    with pytest.raises(RuntimeError, match="--max-batch 1"):  # fewer output rows than the batch's
+        staging.answers({"hidden": hidden[:2]}, requests, [1, 2])
 
 
 class FakeCudart:
