@@ -42,7 +42,8 @@ from pathlib import Path
 import numpy as np
 
 from deploykit.serving.protocol import RequestError
-from deploykit.serving.staging import ALIGN, DeviceStaging, HostRegistry, buffer_layout, buffer_views
+from deploykit.serving.staging import (ALIGN, DeviceStaging, HostRegistry, buffer_address, buffer_layout,
+                                       buffer_views)
 
 log = logging.getLogger("deploykit.serve")
 #: An answer's tensors up to this size go through the pipe; larger ones into the request's buffer.
@@ -81,7 +82,7 @@ class Buffer:
 
     @functools.cached_property
     def address(self) -> int:
-        return _address(self.memory)
+        return buffer_address(self.memory)
 
 
 @dataclasses.dataclass(eq=False)  # one lending of a buffer, told apart from its later lendings
@@ -385,7 +386,7 @@ def _packed(request: int, answer, buffer: mmap.mmap | None) -> tuple:
     or ``outputs``."""
     if isinstance(answer, BaseException):
         return request, "error", _as_error(answer)
-    if buffer is not None and (placed := _layout_in(_address(buffer), len(buffer), answer)) is not None:
+    if buffer is not None and (placed := _layout_in(buffer_address(buffer), len(buffer), answer)) is not None:
         return request, "shm", placed
     layout, size = _layout(answer)
     if buffer is None or size <= INLINE_BYTES or size > len(buffer) or any(a.dtype.hasobject for a in answer.values()):
@@ -395,10 +396,6 @@ def _packed(request: int, answer, buffer: mmap.mmap | None) -> tuple:
         return request, "outputs", answer
     _write(buffer, layout, answer)
     return request, "shm", layout
-
-
-def _address(memory: mmap.mmap) -> int:
-    return np.frombuffer(memory, np.uint8).ctypes.data
 
 
 def serve_workers(connections: list, batchers: dict, outbox: Outbox, registry: HostRegistry | None = None) -> None:

@@ -95,6 +95,11 @@ def buffer_layout(tensors) -> tuple[list[tuple], int]:
     return layout, end
 
 
+def buffer_address(memory: mmap.mmap) -> int:
+    """Where a mapped buffer starts in this process's memory."""
+    return np.frombuffer(memory, np.uint8).ctypes.data
+
+
 def buffer_views(memory: mmap.mmap, layout: list[tuple]) -> dict[str, np.ndarray]:
     """The arrays ``layout`` places in ``memory`` (views, not copies)."""
     return {name: np.ndarray(shape, dtype, buffer=memory, offset=offset) for name, dtype, shape, offset in layout}
@@ -325,7 +330,7 @@ class HostRegistry:
     def add(self, memory: mmap.mmap) -> None:
         if self._refused or id(memory) in self._registered:
             return
-        address = np.frombuffer(memory, np.uint8).ctypes.data
+        address = buffer_address(memory)
         with self.torch.cuda.device(self.gpu):
             status = int(self.torch.cuda.cudart().cudaHostRegister(address, len(memory), 1))  # 1: portable
         if status != 0:
