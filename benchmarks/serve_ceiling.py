@@ -63,9 +63,10 @@ def main() -> None:
 def _requests(model, batch: int, threads: int, shared: bool):
     """Per thread: its runner, ``batch`` one-row requests, their buffers (shared memory) or None, the
     staging and the Outbox its answers go to (None without shared memory)."""
+    gpus = model.gpus or [None] * len(model.runners)
     if not shared:
         yield [(runner, [random_inputs(model.inputs, 1, seed=row) for row in range(batch)], None,
-                PinnedStaging.for_runner(runner), None) for runner in model.runners]
+                PinnedStaging.for_runner(runner, gpu), None) for runner, gpu in zip(model.runners, gpus)]
         return
     import torch
 
@@ -82,7 +83,7 @@ def _requests(model, batch: int, threads: int, shared: bool):
             for memory in memories:
                 registry.add(memory)
             requests = [_placed(random_inputs(model.inputs, 1, seed=row), memory) for row, memory in enumerate(memories)]
-            staging = DeviceStaging.for_runner(runner, model.gpus[index], registry=registry)
+            staging = DeviceStaging.for_runner(runner, gpus[index], registry=registry)
             per_thread.append((runner, requests, memories, staging, outbox))
         yield per_thread
     finally:

@@ -128,30 +128,37 @@ def host_answers(outputs: dict, rows: list[int]) -> list[dict]:
 
 
 class PinnedStaging:
-    """One runner's batch buffers in page-locked memory (torch's pinned host allocator)."""
+    """One runner's batches: assembled in page-locked host buffers (torch's pinned host allocator),
+    one per input, then copied to the runner's GPU whole, so that the runner answers with GPU
+    tensors, of which only the rows that hold data come back (``host_answers``)."""
 
-    def __init__(self, torch):
-        self.torch = torch
+    def __init__(self, torch, device):
+        self.torch, self.device = torch, device
         self._buffers: dict[str, np.ndarray] = {}
         self._filled: dict[str, int] = {}  # rows that may hold data from an earlier batch
+        self._on_device: dict[str, _OnDevice] = {}
 
     @staticmethod
     def for_runner(runner, gpu: int | None = None) -> PinnedStaging | None:
-        """Staging for a runner on a GPU, where torch can pin memory; None elsewhere (a CPU runner
+        """Staging for a runner on GPU ``gpu``, where torch can pin memory; None elsewhere (a CPU runner
         reads host memory as it is)."""
         torch = _cuda_torch(runner)
-        return PinnedStaging(torch) if torch is not None else None
+        return PinnedStaging(torch, torch.device("cuda", gpu or 0)) if torch is not None else None
 
     def feeds(self, names: list[str], requests: list[dict[str, np.ndarray]], rows: int, size: int) -> dict:
-        """One batch per input: the requests' arrays of that name, zero rows up to ``size``."""
-        return {name: self.assemble(name, [inputs[name] for inputs in requests], rows, size) for name in names}
+        """One batch per input on the GPU: the requests' arrays of that name, zero rows up to ``size``."""
+        return {name: self._to_device(name, self.assemble(name, [inputs[name] for inputs in requests], rows, size), rows)
+                for name in names}
 
     def answers(self, outputs: dict, requests: list[dict[str, np.ndarray]], rows: list[int]) -> list[dict]:
         """Each request's rows of a run's outputs, as numpy (``host_answers``)."""
         return host_answers(outputs, rows)
 
     def drain(self) -> None:
-        """After a failed run: nothing of a request is still being read (the host copy is done)."""
+        """After a failed run: wait for the copies still reading host buffers, which the next batch
+        overwrites (a lost GPU context fails this too: nothing then reads)."""
+        with contextlib.suppress(RuntimeError):
+            self.torch.cuda.current_stream(self.device).synchronize()
 
     def assemble(self, name: str, parts: list[np.ndarray], rows: int, size: int) -> np.ndarray:
         """``parts`` (``rows`` rows together) concatenated, zero rows up to ``size``, in this input's buffer."""
@@ -174,6 +181,25 @@ class PinnedStaging:
             self._buffers[name], self._filled[name] = buffer, 0
         return buffer
 
+    def _to_device(self, name: str, batch: np.ndarray, rows: int):
+        """A batch assembled on the host (in page-locked memory, reused only once this batch's answers
+        are back: the copy has ended by then) as this input's batch tensor on the GPU."""
+        source = torch_from_host(batch)
+        size = batch.shape[0]
+        staged = self._staged(name, size, source)
+        target = staged.batch[:size]
+        target.copy_(source, non_blocking=True)
+        staged.filled = _still_filled(staged.filled, rows, size)
+        return target
+
+    def _staged(self, name: str, size: int, first) -> _OnDevice:
+        staged = self._on_device.get(name)
+        batch = None if staged is None else staged.batch
+        if (capacity := _rows_to_allocate(batch, size, tuple(first.shape[1:]), first.dtype)) is not None:
+            zeros = self.torch.zeros((capacity, *first.shape[1:]), dtype=first.dtype, device=self.device)
+            staged = self._on_device[name] = _OnDevice(zeros.clone(), zeros)
+        return staged
+
 
 @dataclasses.dataclass
 class _OnDevice:
@@ -184,21 +210,19 @@ class _OnDevice:
 
 class DeviceStaging(PinnedStaging):
     """One runner's batches on its GPU, each request's rows copied there by DMA from shared memory
-    that ``registry`` page-locked; batches with other rows (requests that came through the pipe,
-    a buffer the driver refused to lock, small rows) are assembled on the host as ``PinnedStaging``
-    does, then copied to the GPU whole. Its feeds are torch tensors on the GPU, and so are the
-    runner's outputs, whose rows go back by DMA into the requests' buffers (``answers``)."""
+    that ``registry`` page-locked, and the rows of large answers copied back the same way
+    (``answers``); batches with other rows (requests that came through the pipe, a buffer the driver
+    refused to lock, small rows) are assembled on the host as ``PinnedStaging`` does."""
 
     def __init__(self, torch, device, registry: HostRegistry):
-        super().__init__(torch)
-        self.device, self.registry = device, registry
-        self._on_device: dict[str, _OnDevice] = {}
+        super().__init__(torch, device)
+        self.registry = registry
 
     @staticmethod
     def for_runner(runner, gpu: int | None = None, *, registry: HostRegistry | None = None) -> PinnedStaging | None:
         torch = _cuda_torch(runner)
         if torch is None or registry is None:
-            return PinnedStaging.for_runner(runner)
+            return PinnedStaging.for_runner(runner, gpu)
         return DeviceStaging(torch, torch.device("cuda", gpu or 0), registry)
 
     def feeds(self, names: list[str], requests: list[dict[str, np.ndarray]], rows: int, size: int) -> dict:
@@ -206,8 +230,7 @@ class DeviceStaging(PinnedStaging):
         every = [part for group in parts.values() for part in group]
         small = sum(part.nbytes for part in every) < DMA_MIN_BYTES * len(requests)
         if small or not all(map(self.registry.holds, every)):
-            return {name: self._to_device(name, batch, rows)
-                    for name, batch in super().feeds(names, requests, rows, size).items()}
+            return super().feeds(names, requests, rows, size)
         targets, sources, feeds = [], [], {}
         for name, group in parts.items():
             group = [torch_from_host(part) for part in group]
@@ -264,31 +287,6 @@ class DeviceStaging(PinnedStaging):
             answers.append(answer)
             start += count
         return answers, targets, sources
-
-    def drain(self) -> None:
-        """After a failed run: wait for the copies still reading request buffers, which their workers
-        reuse once the requests are answered (a lost GPU context fails this too: nothing then reads)."""
-        with contextlib.suppress(RuntimeError):
-            self.torch.cuda.current_stream(self.device).synchronize()
-
-    def _to_device(self, name: str, batch: np.ndarray, rows: int):
-        """A batch assembled on the host (in page-locked memory, reused only once this batch's answers
-        are back: the copy has ended by then) as this input's batch tensor on the GPU."""
-        source = torch_from_host(batch)
-        size = batch.shape[0]
-        staged = self._staged(name, size, source)
-        target = staged.batch[:size]
-        target.copy_(source, non_blocking=True)
-        staged.filled = _still_filled(staged.filled, rows, size)
-        return target
-
-    def _staged(self, name: str, size: int, first) -> _OnDevice:
-        staged = self._on_device.get(name)
-        batch = None if staged is None else staged.batch
-        if (capacity := _rows_to_allocate(batch, size, tuple(first.shape[1:]), first.dtype)) is not None:
-            zeros = self.torch.zeros((capacity, *first.shape[1:]), dtype=first.dtype, device=self.device)
-            staged = self._on_device[name] = _OnDevice(zeros.clone(), zeros)
-        return staged
 
 
 class HostRegistry:

@@ -173,3 +173,26 @@ def test_a_gpu_batch_from_shared_memory_answers_as_the_runner_does(bundle, share
             np.testing.assert_allclose(answer[name], value, rtol=1e-5, atol=1e-6)
     for memory in memories:
         registry.remove(memory)
+
+
+def test_a_one_process_gpu_batch_answers_as_the_runner_does(bundle):
+    """``deploykit serve``'s one-process batcher on a GPU: rows assembled in page-locked memory, padded
+    (3 rows to a bucket of 4), copied to the GPU whole, run with CUDA inputs, and only the rows that hold
+    data copied back; equal to running each request alone."""
+    from pathlib import Path
+
+    from deploykit.serving.batching import run_rows
+    from deploykit.serving.models import ServedModel
+    from deploykit.serving.staging import PinnedStaging
+
+    runner = deploykit.load(bundle, backend="onnxruntime", device="cuda:0")
+    model = ServedModel(MODEL, Path(bundle), [runner], ["cuda:0"], max_batch=4, buckets=[1, 2, 4], allow_nan=False)
+    staging = PinnedStaging.for_runner(runner, 0)
+    rng = np.random.default_rng(2)
+    requests = [{"features": rng.standard_normal((rows, 13)).astype(np.float32)} for rows in (2, 1)]
+    answers = run_rows(model, runner, requests, [2, 1], staging)
+    assert staging._on_device["features"].batch.device == torch.device("cuda", 0)
+    for request, answer in zip(requests, answers):
+        for name, value in runner.run(features=request["features"]).items():
+            assert isinstance(answer[name], np.ndarray) and answer[name].shape == value.shape
+            np.testing.assert_allclose(answer[name], value, rtol=1e-5, atol=1e-6)

@@ -381,7 +381,7 @@ class UnpinnedTorch:
 
 def test_staging_pads_with_zero_rows_even_where_an_earlier_batch_wrote():
     pytest.importorskip("torch")
-    staging = PinnedStaging(UnpinnedTorch())
+    staging = PinnedStaging(UnpinnedTorch(), None)  # assembling only: no device needed
     parts = [np.full((3, 2), 5, np.float32), np.full((2, 2), 7, np.float32)]
     full = staging.assemble("x", parts, 5, 8)
     np.testing.assert_array_equal(full, np.concatenate([*parts, np.zeros((3, 2), np.float32)]))

@@ -45,7 +45,7 @@ def test_rows_that_do_not_fit_are_refused(parts, shape):
 def test_host_batches_pad_with_zeros_where_an_earlier_larger_batch_left_rows():
     from deploykit.serving.staging import PinnedStaging
 
-    staging = PinnedStaging(CpuTorch())
+    staging = PinnedStaging(CpuTorch(), None)  # assembling only: no device needed
     full = staging.assemble("x", [images(5, 0)], 5, 8)
     staging.assemble("x", [images(1, 1)], 1, 2)  # rows 2-4 keep the first batch's data
     again = staging.assemble("x", [images(2, 2)], 2, 8)
@@ -143,6 +143,20 @@ def test_device_batches_pad_with_zero_rows_and_reuse_one_tensor():
     one = staging.feeds(["x"], [{"x": first[:1]}], 1, 4)["x"]
     np.testing.assert_array_equal(one.numpy(), np.concatenate([first[:1], np.zeros((3, 3, 128, 128), np.float32)]))
     assert one.data_ptr() == full.data_ptr()  # the same tensor, the stale rows zeroed
+
+
+def test_a_host_batch_goes_to_the_device_whole_and_its_answers_come_back_by_request():
+    from deploykit.serving.staging import PinnedStaging
+
+    torch = CpuTorch()
+    staging = PinnedStaging(torch, torch.device("cpu"))
+    first, second = images(1, 0), images(2, 1)
+    batch = staging.feeds(["x"], [{"x": first}, {"x": second}], 3, 4)["x"]
+    assert not isinstance(batch, np.ndarray) and "x" in staging._buffers
+    np.testing.assert_array_equal(batch.numpy(), np.concatenate([first, second, np.zeros_like(first)]))
+    answers = staging.answers({"y": batch.sum(dim=(1, 2, 3))}, [{"x": first}, {"x": second}], [1, 2])
+    np.testing.assert_allclose(answers[1]["y"], second.sum(axis=(1, 2, 3)), rtol=1e-5)
+    assert [answer["y"].shape for answer in answers] == [(1,), (2,)]
 
 
 def test_page_locked_rows_of_image_size_go_by_dma_the_rest_through_the_host_into_one_device_batch():
