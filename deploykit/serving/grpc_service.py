@@ -209,6 +209,6 @@ def encode_response(model: str, request: protocol.InferRequest, names: list[str]
     response = pb.ModelInferResponse(model_name=model, model_version="1", id=request.id or "")
     for name in names:
         array = outputs[name]
-        response.outputs.add(name=name, datatype=protocol.datatype_of(array.dtype.name), shape=array.shape)
+        response.outputs.add(name=name, datatype=protocol.datatype_of_dtype(array.dtype), shape=array.shape)
         response.raw_output_contents.append(protocol.tensor_bytes(array))
     return response

@@ -10,6 +10,7 @@ line; the server answers it with its status and never lets it escape further.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 
@@ -41,6 +42,13 @@ def bad(message: str) -> RequestError:
 
 def datatype_of(dtype_name: str) -> str:
     return DATATYPES.get(dtype_name, dtype_name.upper())
+
+
+@functools.lru_cache(maxsize=None)
+def datatype_of_dtype(dtype: np.dtype) -> str:
+    """``datatype_of`` an array's dtype, once per dtype: ``dtype.name`` builds its string on every call
+    (1.9 µs, a quarter of encoding a response)."""
+    return datatype_of(dtype.name)
 
 
 def tensor_metadata(spec: dict) -> dict:
@@ -212,7 +220,7 @@ def encode_response(model: str, request: InferRequest, names: list[str], outputs
     described, blobs = [], []
     for name in names:
         array = np.ascontiguousarray(outputs[name])
-        entry = {"name": name, "datatype": datatype_of(array.dtype.name), "shape": list(array.shape)}
+        entry = {"name": name, "datatype": datatype_of_dtype(array.dtype), "shape": list(array.shape)}
         if "*" in request.binary_outputs or name in request.binary_outputs:
             raw = tensor_bytes(array)
             entry["parameters"] = {"binary_data_size": len(raw)}

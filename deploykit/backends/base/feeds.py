@@ -158,8 +158,10 @@ def describe_inputs(specs: list[dict]) -> str:
     return ", ".join(f"{s['name']} ({s['dtype']}, {'x'.join(map(str, s['shape']))})" for s in specs)
 
 
+@functools.lru_cache(maxsize=None)
 def numpy_dtype(name: str) -> np.dtype:
-    """numpy's dtype of a manifest (or torch) dtype name: bfloat16 through ml_dtypes, which onnx installs."""
+    """numpy's dtype of a manifest (or torch) dtype name: bfloat16 through ml_dtypes, which onnx installs.
+    Cached: a server asks for every request."""
     if name == "bfloat16":
         import ml_dtypes
 
