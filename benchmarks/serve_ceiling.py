@@ -33,7 +33,7 @@ import numpy as np
 from deploykit.backends.base.feeds import random_inputs
 from deploykit.serving.batching import run_rows
 from deploykit.serving.models import ServeOptions, load_models
-from deploykit.serving.staging import PinnedStaging
+from deploykit.serving.staging import ALIGN, PinnedStaging
 
 
 def main() -> None:
@@ -105,11 +105,11 @@ def _shared_buffer(folder: str, name: str, size: int = 1 << 20) -> mmap.mmap:
 
 
 def _placed(inputs: dict[str, np.ndarray], memory: mmap.mmap) -> dict[str, np.ndarray]:
-    """``inputs`` copied into ``memory``, 64-byte aligned, at its end: answers are written from its start
+    """``inputs`` copied into ``memory``, ``ALIGN``-byte aligned, at its end: answers are written from its start
     (a worker's next request would bring new inputs; here the same ones are run again, so they must stay)."""
     placed, offset = {}, len(memory)
     for name, array in inputs.items():
-        offset -= -(-array.nbytes // 64) * 64
+        offset -= -(-array.nbytes // ALIGN) * ALIGN
         placed[name] = np.ndarray(array.shape, array.dtype, buffer=memory, offset=offset)
         placed[name][...] = array
     return placed

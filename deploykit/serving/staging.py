@@ -41,6 +41,7 @@ import mmap
 
 import numpy as np
 
+from deploykit.backends.base.feeds import numpy_dtype_of_torch
 from deploykit.backends.base.memory import torch_from_host, torch_to_host
 
 log = logging.getLogger("deploykit.serve")
@@ -272,7 +273,7 @@ class DeviceStaging(PinnedStaging):
         row_bytes = sum(value[0].numel() * value.element_size() for value in outputs.values())
         if row_bytes * wanted < DMA_MIN_BYTES * len(requests):
             return None
-        specs = [(name, torch_to_host(self.torch.empty(0, dtype=value.dtype)).dtype, tuple(value.shape[1:]))
+        specs = [(name, numpy_dtype_of_torch(value.dtype), tuple(value.shape[1:]))
                  for name, value in outputs.items()]
         answers, targets, sources, start, taken = [], [], [], 0, set()
         for request, count in zip(requests, rows):

@@ -57,9 +57,10 @@ def _torch_dtype_name(dtype) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _numpy_dtype_of_torch(dtype) -> np.dtype:
-    """Cached: a call's inputs are classified on every call, on the GPU's latency path."""
-    return np.dtype(_torch_dtype_name(dtype))
+def numpy_dtype_of_torch(dtype) -> np.dtype:
+    """numpy's dtype of a torch dtype (bfloat16 as ``numpy_dtype`` gives it). Cached: a call's inputs
+    are classified on every call, on the GPU's latency path."""
+    return numpy_dtype(_torch_dtype_name(dtype))
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,7 +95,7 @@ def _torch_feed(name: str, tensor, torch) -> Feed:
     tensor = tensor.contiguous()
     if tensor.dtype == torch.bfloat16:
         raise BadInputError(f"input {name} is bfloat16: deploykit bundles take the dtype in their manifest")
-    dtype = _numpy_dtype_of_torch(tensor.dtype)
+    dtype = numpy_dtype_of_torch(tensor.dtype)
     if tensor.is_cuda:
         return Feed(name, tensor, tuple(tensor.shape), dtype, True, _device_name(tensor.device))
     return Feed(name, tensor.numpy(), tuple(tensor.shape), dtype, False, "cpu")
