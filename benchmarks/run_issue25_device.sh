@@ -14,7 +14,7 @@
 # convert: run_issue13_device.sh's convert and tune steps (fp16, AOTInductor static packages at batch 1 and 32),
 #          in the background (setsid: it outlives the call) when BACKGROUND=1; wait for it with STEPS=wait.
 #          On a CPU: the small net converted here (no tuning).
-# serve:   deploykit serve --workers $WORKERS (HTTP processes; default 8 on a GPU, 1 on a CPU) --instances
+# serve:   deploykit serve --workers $WORKERS (HTTP processes; default auto: half the cores, at most 8, on a GPU; 1 on a CPU) --instances
 #          $INSTANCES (runners in the model process; default 2 on a GPU, 1 on a CPU) on $DEVICE; triton: tritonserver
 #          on the python export, $TRITON_INSTANCES instances (default 1). $SERVE_ARGS: more options for serve.
 # gputests: `pytest tests/gpu` on $GPU_TEST_WORKERS pytest-xdist workers (default 4), one module a worker, after
@@ -44,7 +44,7 @@ if [ "$device" = cpu ]; then
   instances=${INSTANCES:-1}
 else
   models=${MODELS:-resnet50 bert_base} precision=fp16 max_batch=32 levels=${LEVELS:-1 16 64 128 256}
-  workers=${WORKERS:-8} instances=${INSTANCES:-2}
+  workers=${WORKERS:-auto} instances=${INSTANCES:-2}
 fi
 convert_models=${CONVERT_MODELS:-$models}  # converted side by side (CPU-bound): all of them in a first call
 steps=${STEPS:-setup convert serve triton}

@@ -10,7 +10,7 @@ Each client is a thread with one keep-alive connection sending binary-tensor req
 number of requests); it fails (exit 1) on any error or wrong answer.
 
 Usage: python benchmarks/serve_load.py BUNDLE [--device cpu|cuda|cuda:N[,...]] [--clients 32[,128...]]
-                                       [--requests 200] [--rows 1] [--instances 1] [--workers 1]
+                                       [--requests 200] [--rows 1] [--instances 1] [--workers auto]
                                        [--batching both|on|off]
                                        [--out DIR]
 """
@@ -49,7 +49,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=200, help="per client")
     parser.add_argument("--rows", type=int, default=1, help="rows per request")
     parser.add_argument("--instances", type=int, default=1)
-    parser.add_argument("--workers", type=int, default=1, help="serve's HTTP processes (--workers)")
+    parser.add_argument("--workers", default="auto", help="serve's HTTP processes (--workers: auto or a count)")
     parser.add_argument("--batching", choices=["both", "on", "off"], default="both")
     parser.add_argument("--out", type=Path, help="write serve_load.md, serve_load.json and the servers' logs here")
     args = parser.parse_args()
@@ -238,7 +238,7 @@ def machine(device: str) -> str:
 
 def markdown(results: list[dict], args) -> str:
     lines = [f"{args.bundle.name} on {args.device} ({machine(args.device)}): each client {args.requests} requests "
-             f"of {args.rows} row(s), {args.instances} instance(s), {args.workers} worker(s)", "",
+             f"of {args.rows} row(s), {args.instances} instance(s), --workers {args.workers}", "",
              "| mode | clients | requests/s | rows/s | p50 ms | p99 ms | runs | mean rows/run | errors | wrong | "
              "bit-exact |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:

@@ -13,6 +13,15 @@ from deploykit.cli._common import (
 from deploykit.cli._printing import print_notes
 
 
+def _workers_count(_context, _param, value: str) -> int | None:
+    """``--workers``: a count of at least 1, or None for auto (decided once the devices are known)."""
+    if value == "auto":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise click.BadParameter(f"{value!r}: use auto or a count of 1 or more")
+    return int(value)
+
+
 @click.command("serve")
 @click.argument("bundles", type=BUNDLE, nargs=-1, required=True)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
@@ -28,10 +37,10 @@ from deploykit.cli._printing import print_notes
                    "deploykit.load's choice: GPU 0 or the CPU).")
 @click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
               help="Runners per model, each with its own worker thread.")
-@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--workers", default="auto", show_default=True, metavar="auto|N", callback=_workers_count,
               help="HTTP processes on the one port, in front of one process that holds the models and batches "
-                   "every worker's requests together: on a GPU, where one process cannot parse requests as fast as "
-                   "the GPU answers them.")
+                   "every worker's requests together, for a GPU, which one process cannot feed (auto: on a GPU "
+                   "half the cores, at most 8; on a CPU 1, one process doing everything).")
 @click.option("--threads", type=click.IntRange(min=1),
               help="ONNX Runtime's threads per instance (default: every core). On a CPU, --instances 2 --threads 1 "
                    "lets one batch compute while the next one forms.")
@@ -83,6 +92,10 @@ def serve(bundles, host, port, grpc_port, backend, devices, instances, workers, 
                                threads=threads, split_cores=split_cores)
         limits = Limits(max_request_bytes=int(max_request_mb * (1 << 20)), max_queue=max_queue, timeout_s=timeout_s,
                         max_delay_ms=max_delay_ms, token=token)
+        if workers is None:
+            from deploykit.serving.placement import auto_workers
+
+            workers = auto_workers(options.devices)
         grpc_address = None
         if grpc_port is not None:
             from deploykit.serving import grpc_service

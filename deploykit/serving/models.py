@@ -6,7 +6,6 @@ before it is queued (so a bad request never reaches a batch it would spoil for o
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ from deploykit.backends.base.feeds import batch_outside_range, batch_sizes, coll
 from deploykit.bundle.read import Bundle, open_bundle
 from deploykit.errors import BadInputError
 from deploykit.runtime.choose import parse_device
+from deploykit.serving.placement import instance_devices, usable_cores
 from deploykit.serving.protocol import RequestError, bad, tensor_metadata
 
 
@@ -118,8 +118,6 @@ def _refuse_non_finite(inputs: dict[str, np.ndarray]) -> None:
 
 def load_models(paths: list[Path], options: ServeOptions) -> list[ServedModel]:
     """Every bundle, each under its folder's name, with ``options.instances`` runners placed round-robin."""
-    from deploykit.serving.placement import instance_devices
-
     names = [Path(p).resolve().name for p in paths]
     if len(set(names)) != len(names):
         raise BadInputError(f"two bundles are named {next(n for n in names if names.count(n) > 1)}: models are "
@@ -176,7 +174,7 @@ def _half_cores(options: ServeOptions, runners: list) -> list[int]:
     if (runners[0].device, runners[0].backend) != ("cpu", "onnxruntime"):
         raise BadInputError(f"--split-cores cannot apply: the model runs on {runners[0].backend} "
                             f"({runners[0].device}), not ONNX Runtime on a CPU; drop --split-cores")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     if cores < 2:
         raise BadInputError("--split-cores cannot apply: this process has one core; drop --split-cores")
     return [cores // 2, cores - cores // 2]

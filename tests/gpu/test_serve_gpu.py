@@ -58,6 +58,21 @@ def test_two_instances_on_one_gpu(bundle, workers):
         assert batches["deploykit_batch_size_count"] < len(inputs)
 
 
+def test_on_a_gpu_serve_takes_http_workers_by_default(bundle):
+    """Without --workers, a model on a GPU is fed by HTTP processes (half the cores, at most 8) and answers
+    as ``deploykit.load`` does."""
+    from deploykit.serving.placement import auto_workers
+
+    workers = auto_workers(("cuda:0",))
+    features = np.random.default_rng(1).standard_normal((3, 13)).astype(np.float32)
+    with running_server(bundle, "--backend", "onnxruntime", "--device", "cuda:0") as server:
+        result = infer_features(server.url, MODEL, features)
+        started = server.output()
+    assert (f"{workers} workers" in started) == (workers > 1), started
+    expected = deploykit.load(bundle, backend="onnxruntime", device="cuda:0").run(features=features)
+    np.testing.assert_allclose(result["output_0"], expected["output_0"], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_one_instance_per_gpu(bundle):
     """--device cuda --instances 2 on two GPUs: one runner on each, both answering; cuda:K beyond them refused."""
