@@ -95,7 +95,7 @@ def serve(bundles, host, port, grpc_port, backend, devices, instances, workers, 
         if workers is None:
             from deploykit.serving.placement import auto_workers
 
-            workers = auto_workers(options.devices)
+            workers = auto_workers(options.devices, options.backend)
         grpc_address = None
         if grpc_port is not None:
             from deploykit.serving import grpc_service

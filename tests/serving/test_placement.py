@@ -51,19 +51,20 @@ def test_refusals(gpus):
         placement.instance_devices(["cuda"], 1)
 
 
-@pytest.mark.parametrize(("devices", "gpu_count", "cores", "workers"), [
-    (["auto"], 1, 16, 8),  # auto with a GPU: half the cores
-    (["cuda:0"], 1, 64, 8),  # at most 8
-    (["cuda"], 2, 6, 3),
-    (["cuda:0"], 1, 3, 1),  # too few cores to share: one process
-    (["auto"], 0, 16, 1),  # auto without a GPU runs on the CPU
-    (["cpu"], 1, 16, 1),
+@pytest.mark.parametrize(("devices", "backend", "gpu_count", "cores", "workers"), [
+    (["auto"], "auto", 1, 16, 8),  # auto with a GPU: half the cores
+    (["cuda:0"], "onnxruntime", 1, 64, 8),  # at most 8
+    (["cuda"], "auto", 2, 6, 3),
+    (["cuda:0"], "auto", 1, 3, 1),  # too few cores to share: one process
+    (["auto"], "auto", 0, 16, 1),  # auto without a GPU runs on the CPU
+    (["auto"], "openvino", 1, 16, 1),  # and OpenVINO on the CPU whatever the host has
+    (["cpu"], "auto", 1, 16, 1),
 ])
-def test_auto_workers(gpus, monkeypatch, devices, gpu_count, cores, workers):
+def test_auto_workers(gpus, monkeypatch, devices, backend, gpu_count, cores, workers):
     """``serve --workers auto``: HTTP processes for a GPU, one process on a CPU."""
     gpus(gpu_count)
     monkeypatch.setattr(placement, "usable_cores", lambda: cores)
-    assert placement.auto_workers(devices) == workers
+    assert placement.auto_workers(devices, backend) == workers
 
 
 def test_served_config_reports_the_gpus_used(gpus, monkeypatch):
