@@ -8,7 +8,6 @@ their count, so ``--device cuda --instances 4`` on two GPUs puts two on each. ``
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 from deploykit.errors import BadInputError, EnvironmentProblem
@@ -19,8 +18,11 @@ MAX_AUTO_WORKERS = 8
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (its affinity, which containers and taskset narrow)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The cores this process may use: its affinity (taskset, cpusets) and its cgroup's CPU quota
+    (``docker run --cpus``, a Kubernetes CPU limit), which the affinity does not show (joblib reads both)."""
+    import joblib
+
+    return joblib.cpu_count()
 
 
 def auto_workers(devices: Sequence[str], backend: str = "auto") -> int:

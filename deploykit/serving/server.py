@@ -20,14 +20,15 @@ EXTRA_HINT = "pip install 'deploykit[serve]'"
 
 
 def require_serving_packages(grpc: bool = False) -> None:
-    """FastAPI, uvicorn and prometheus-client (and for ``grpc`` grpcio and tritonclient's generated
+    """FastAPI, uvicorn, prometheus-client and joblib (and for ``grpc`` grpcio and tritonclient's generated
     KServe messages), or one line saying how to get them (exit 3)."""
     missing = []
     for module, package in (("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("prometheus_client", "prometheus-client"),
+                            ("joblib", "joblib"),
                             *((("grpc", "grpcio"), ("tritonclient.grpc", "tritonclient[grpc]")) if grpc else ())):
         try:
             __import__(module)
-        except ImportError:
+        except (ImportError, RuntimeError):  # tritonclient.grpc without grpcio raises RuntimeError
             missing.append(package)
     if missing:
         raise EnvironmentProblem(f"deploykit serve needs {', '.join(missing)}: {EXTRA_HINT}")

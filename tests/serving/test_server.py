@@ -21,7 +21,8 @@ def test_missing_extra_names_what_to_install(monkeypatch):
 
 def test_grpc_names_its_packages_only_when_asked(monkeypatch):
     monkeypatch.setitem(sys.modules, "grpc", None)
+    monkeypatch.delitem(sys.modules, "tritonclient.grpc", raising=False)  # imported afresh: it needs grpcio
     server.require_serving_packages()  # HTTP alone needs no grpcio
-    with pytest.raises(EnvironmentProblem) as error:
+    with pytest.raises(EnvironmentProblem) as error:  # tritonclient.grpc raises RuntimeError without grpcio
         server.require_serving_packages(grpc=True)
-    assert str(error.value) == "deploykit serve needs grpcio: pip install 'deploykit[serve]'"
+    assert str(error.value) == "deploykit serve needs grpcio, tritonclient[grpc]: pip install 'deploykit[serve]'"
