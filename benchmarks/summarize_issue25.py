@@ -134,6 +134,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     models = sorted({r["model"] for r in rows})
     figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
@@ -147,6 +148,10 @@ def plot(rows: list[dict], path: Path) -> None:
                 axis.annotate(str(r["concurrency"]), (r["p99_ms"], r["throughput"]), fontsize=8,
                               textcoords="offset points", xytext=(4, 4))
         axis.set(title=model, xlabel="p99 latency (ms)", ylabel="inferences / s", xscale="log")
+        # milliseconds as plain numbers (1, 2, 5, 10...), not powers of ten whose minor labels overlap
+        axis.xaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+        axis.xaxis.set_minor_formatter(ticker.NullFormatter())
+        axis.xaxis.set_major_locator(ticker.LogLocator(subs=(1, 2, 5)))
         axis.grid(alpha=0.3)
         axis.legend()
     figure.tight_layout()
