@@ -29,8 +29,8 @@ def auto_workers(devices: Sequence[str], backend: str = "auto") -> int:
     """``serve --workers auto``: where the model runs on a GPU (``--device cuda...``, or ``auto`` with a GPU
     visible, unless ``backend`` is OpenVINO, which runs on the CPU), HTTP processes for half the cores, at
     most 8: one process parses and encodes requests far slower than a GPU answers them (BENCHMARKS.md, issue
-    25: BERT-base at 128 connections about 2,000/s in one process, 7,000/s with 8 workers on a 16-core H100
-    host). On a CPU one process: the model's runs need every core, and a second process only takes cores
+    25: BERT-base at 128 connections about 2,000/s in one process, 7,000 to 8,850/s with 8 workers on 16-core
+    H100 hosts). On a CPU one process: the model's runs need every core, and a second process only takes cores
     from them."""
     kinds = {parse_device(part.strip())[0] for value in devices for part in value.split(",")}
     on_gpu = backend != "openvino" and ("cuda" in kinds or (kinds == {"auto"} and visible_gpus() > 0))
