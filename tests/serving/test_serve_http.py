@@ -195,6 +195,12 @@ def test_metrics_count_requests_and_errors(server, client):
     assert "deploykit_queue_depth" in get(server, "/metrics")[2].decode()
 
 
+def test_on_a_cpu_one_process_serves_by_default(server):
+    """--workers auto on a CPU: no HTTP worker processes (the model's runs need every core)."""
+    logged = " ".join(server.output().split())  # the console may wrap its line anywhere between words
+    assert "(v2 API, metrics at" in logged and " workers)" not in logged, logged
+
+
 def test_access_log_is_one_json_line_per_request(server):
     get(server, "/v2/models/tabular", {"X-Request-ID": "trace-42"})
     lines = [json.loads(line) for line in server.output().splitlines() if line.startswith("{")]
