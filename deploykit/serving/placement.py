@@ -32,7 +32,7 @@ def auto_workers(devices: Sequence[str], backend: str = "auto") -> int:
     25: BERT-base at 128 connections about 2,000/s in one process, 7,000 to 8,850/s with 8 workers on 16-core
     H100 hosts). On a CPU one process: the model's runs need every core, and a second process only takes cores
     from them."""
-    kinds = {parse_device(part.strip())[0] for value in devices for part in value.split(",")}
+    kinds = {parse_device(device)[0] for device in _listed(devices)}
     on_gpu = backend != "openvino" and ("cuda" in kinds or (kinds == {"auto"} and visible_gpus() > 0))
     return max(1, min(MAX_AUTO_WORKERS, usable_cores() // 2)) if on_gpu else 1
 
@@ -47,13 +47,18 @@ def visible_gpus() -> int:
 
 def instance_devices(devices: Sequence[str], instances: int) -> list[str]:
     """The device of each instance, round-robin over ``devices`` with ``cuda`` expanded to every GPU."""
-    listed = [part.strip() for value in devices for part in value.split(",")]
+    listed = _listed(devices)
     kinds = {parse_device(device)[0] for device in listed}
     if len(kinds) > 1:
         raise BadInputError(f"--device {','.join(listed)}: a model's instances all run on the CPU or all on GPUs "
                             "(or all auto); serve the other kind from a second server")
     expanded = _gpus(listed) if kinds == {"cuda"} else listed
     return [expanded[i % len(expanded)] for i in range(instances)]
+
+
+def _listed(devices: Sequence[str]) -> list[str]:
+    """The ``--device`` values, each a device or a comma list of them, as one list."""
+    return [part.strip() for value in devices for part in value.split(",")]
 
 
 def _gpus(listed: list[str]) -> list[str]:
