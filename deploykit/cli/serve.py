@@ -93,9 +93,11 @@ def serve(bundles, host, port, grpc_port, backend, devices, instances, workers, 
         limits = Limits(max_request_bytes=int(max_request_mb * (1 << 20)), max_queue=max_queue, timeout_s=timeout_s,
                         max_delay_ms=max_delay_ms, token=token)
         if workers is None:
+            from deploykit.bundle.read import open_bundle
             from deploykit.serving.placement import auto_workers
 
-            workers = auto_workers(options.devices, options.backend)
+            workers = auto_workers(options.devices, options.backend, [open_bundle(path) for path in bundles],
+                                   trust_bundle)
         grpc_address = None
         if grpc_port is not None:
             from deploykit.serving import grpc_service

@@ -19,6 +19,7 @@ from deploykit.backends.openvino.bundle import load_openvino, openvino_entry
 from deploykit.backends.tensorrt.bundle import load_tensorrt_engine
 from deploykit.backends.tensorrt.compat import engine_problem_here
 from deploykit.backends.tensorrt.shim import local_gpus
+from deploykit.tuning import record
 from deploykit.tuning.route import ORT_HINTS, load_tuned
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt", "aoti", "openvino")
@@ -86,6 +87,19 @@ def choose_backend(bundle: Bundle, backend: str, device: str, trust_native: bool
 
 def has_gpu() -> bool:
     return not isinstance(local_gpus(), str)
+
+
+def auto_device(bundle: Bundle, backend: str = "auto", trust_native: bool = False) -> str:
+    """Where ``load(bundle, backend, device="auto")`` runs the bundle, ``cuda`` or ``cpu``, decided without
+    loading it: ``serve --workers auto`` sizes its HTTP processes by it before the model process loads."""
+    if backend == "openvino" or not has_gpu():
+        return "cpu"
+    if backend in ("aoti", "tensorrt"):
+        return "cuda"
+    tuning = bundle.manifest.get("tuning")
+    if backend == "auto" and tuning and record.mismatch(tuning, record.machine("cuda")) is None:
+        return "cuda"
+    return choose_backend(bundle, backend, "auto", trust_native)[1]
 
 
 def load(bundle: str | Path | Bundle, backend: str = "auto", device: str = "auto", *, allow_failed: bool = False,

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from deploykit.errors import BadInputError, EnvironmentProblem
-from deploykit.runtime.choose import parse_device
+from deploykit.bundle.read import Bundle
+from deploykit.runtime.choose import auto_device, parse_device
 
 
 MAX_AUTO_WORKERS = 8
@@ -25,15 +26,19 @@ def usable_cores() -> int:
     return joblib.cpu_count()
 
 
-def auto_workers(devices: Sequence[str], backend: str = "auto") -> int:
-    """``serve --workers auto``: where the model runs on a GPU (``--device cuda...``, or ``auto`` with a GPU
-    visible, unless ``backend`` is OpenVINO, which runs on the CPU), HTTP processes for half the cores, at
-    most 8: one process parses and encodes requests far slower than a GPU answers them (BENCHMARKS.md, issue
-    25: BERT-base at 128 connections about 2,000/s in one process, 7,000 to 8,850/s with 8 workers on 16-core
-    H100 hosts). On a CPU one process: the model's runs need every core, and a second process only takes cores
-    from them."""
+def auto_workers(devices: Sequence[str], backend: str = "auto", bundles: Sequence[Bundle] = (),
+                 trust_native: bool = False) -> int:
+    """``serve --workers auto``: where the models run on a GPU (``--device cuda...``, or ``auto`` where
+    ``deploykit.load`` would put one of ``bundles`` on a GPU), HTTP processes for half the cores, at most 8:
+    one process parses and encodes requests far slower than a GPU answers them (BENCHMARKS.md, issue 25:
+    BERT-base at 128 connections about 2,000/s in one process, 7,000 to 8,850/s with 8 workers on 16-core
+    H100 hosts). On a CPU one process: the model's runs need every core, and a second process only takes
+    cores from them."""
     kinds = {parse_device(device)[0] for device in _listed(devices)}
-    on_gpu = backend != "openvino" and ("cuda" in kinds or (kinds == {"auto"} and visible_gpus() > 0))
+    if kinds == {"auto"}:
+        on_gpu = any(auto_device(bundle, backend, trust_native) == "cuda" for bundle in bundles)
+    else:
+        on_gpu = "cuda" in kinds and backend != "openvino"
     return max(1, min(MAX_AUTO_WORKERS, usable_cores() // 2)) if on_gpu else 1
 
 

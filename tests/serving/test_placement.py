@@ -5,6 +5,7 @@ round-robin, the refusals and what ``/v2/models/NAME/config`` says of it."""
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import pytest
 
@@ -12,10 +13,13 @@ import converted_bundles
 from deploykit_cli import run_deploykit
 
 from deploykit import runtime
+from deploykit.bundle.read import Bundle
 from deploykit.errors import BadInputError, EnvironmentProblem
 from deploykit.export.triton import served_config
+from deploykit.runtime import choose
 from deploykit.serving import placement
 from deploykit.serving.models import ServeOptions, load_models
+from deploykit.tuning import record
 
 
 @pytest.fixture
@@ -52,7 +56,7 @@ def test_refusals(gpus):
 
 
 @pytest.mark.parametrize(("devices", "backend", "gpu_count", "cores", "workers"), [
-    (["auto"], "auto", 1, 16, 8),  # auto with a GPU: half the cores
+    (["auto"], "auto", 1, 16, 8),  # auto with a GPU (and onnxruntime-gpu): half the cores
     (["cuda:0"], "onnxruntime", 1, 64, 8),  # at most 8
     (["cuda"], "auto", 2, 6, 3),
     (["cuda:0"], "auto", 1, 3, 1),  # too few cores to share: one process
@@ -63,8 +67,32 @@ def test_refusals(gpus):
 def test_auto_workers(gpus, monkeypatch, devices, backend, gpu_count, cores, workers):
     """``serve --workers auto``: HTTP processes for a GPU, one process on a CPU."""
     gpus(gpu_count)
+    monkeypatch.setattr(choose, "has_gpu", lambda: gpu_count > 0)
+    monkeypatch.setattr(choose, "ort_has_cuda", lambda: True)
     monkeypatch.setattr(placement, "usable_cores", lambda: cores)
-    assert placement.auto_workers(devices, backend) == workers
+    assert placement.auto_workers(devices, backend, [_bundle()]) == workers
+
+
+@pytest.mark.parametrize(("manifest", "backend", "workers"), [
+    ({}, "auto", 1),  # onnxruntime without CUDA runs it on the CPU, GPU or not
+    ({}, "aoti", 8),  # its CUDA packages
+    ({"engines": [{"file": "model.engine"}]}, "auto", 8),  # an engine this GPU runs
+    ({"tuning": {"device": "cuda", "gpu": "NVIDIA H200", "cuda_arch": "9.0"}}, "auto", 8),  # tuned on this GPU
+    ({"tuning": {"device": "cuda", "gpu": "NVIDIA L4", "cuda_arch": "8.9"}}, "auto", 1),  # on another
+])
+def test_auto_workers_follow_where_auto_puts_the_bundle(gpus, monkeypatch, manifest, backend, workers):
+    """With ``--device auto`` and a GPU visible, HTTP processes only where ``load`` would put the bundle on it."""
+    gpus(1)
+    monkeypatch.setattr(choose, "local_gpus", lambda: [("NVIDIA H200", "9.0")])
+    monkeypatch.setattr(record, "local_gpus", lambda: [("NVIDIA H200", "9.0")])
+    monkeypatch.setattr(choose, "ort_has_cuda", lambda: False)
+    monkeypatch.setattr(choose, "engine_problem_here", lambda entry: None)
+    monkeypatch.setattr(placement, "usable_cores", lambda: 16)
+    assert placement.auto_workers(["auto"], backend, [_bundle(**manifest)]) == workers
+
+
+def _bundle(**manifest) -> Bundle:
+    return Bundle(Path("/bundles/model"), manifest)
 
 
 def test_served_config_reports_the_gpus_used(gpus, monkeypatch):
