@@ -21,7 +21,7 @@ pytest.importorskip("tritonclient.http")
 
 import converted_bundles  # noqa: E402
 from deploykit_cli import run_deploykit  # noqa: E402
-from serving import get, infer_features, metric_samples, running_server  # noqa: E402
+from serving import all_started, get, infer_features, metric_samples, running_server  # noqa: E402
 
 import deploykit  # noqa: E402
 
@@ -67,7 +67,7 @@ def test_on_a_gpu_serve_takes_http_workers_by_default(bundle):
     features = np.random.default_rng(1).standard_normal((3, 13)).astype(np.float32)
     with running_server(bundle, "--backend", "onnxruntime", "--device", "cuda:0") as server:
         result = infer_features(server.url, MODEL, features)
-        started = " ".join(server.output().split())  # the console may wrap its line anywhere between words
+        started = " ".join(all_started(server).split())  # the console may wrap its line anywhere between words
     assert (f"{workers} workers)" in started) == (workers > 1), started
     expected = deploykit.load(bundle, backend="onnxruntime", device="cuda:0").run(features=features)
     np.testing.assert_allclose(result["output_0"], expected["output_0"], rtol=1e-5, atol=1e-6)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -25,6 +26,14 @@ def running_server(*args, startup_s: float = 60):
             yield server
     finally:
         path.unlink(missing_ok=True)
+
+
+def all_started(server, timeout_s: float = 60) -> str:
+    """The server's log once it says every worker is up (the first ready worker answers health probes)."""
+    deadline = time.monotonic() + timeout_s
+    while "serving at" not in (log := server.output()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return log
 
 
 def infer_features(url: str, model: str, features) -> dict:

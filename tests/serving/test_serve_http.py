@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 tritonhttp = pytest.importorskip("tritonclient.http")
 
 import converted_bundles  # noqa: E402
-from serving import get, infer_features, metric_samples, post, running_server  # noqa: E402
+from serving import all_started, get, infer_features, metric_samples, post, running_server  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 import deploykit  # noqa: E402
@@ -197,7 +197,7 @@ def test_metrics_count_requests_and_errors(server, client):
 
 def test_on_a_cpu_one_process_serves_by_default(server):
     """--workers auto on a CPU: no HTTP worker processes (the model's runs need every core)."""
-    logged = " ".join(server.output().split())  # the console may wrap its line anywhere between words
+    logged = " ".join(all_started(server).split())  # the console may wrap its line anywhere between words
     assert "(v2 API, metrics at" in logged and " workers)" not in logged, logged
 
 

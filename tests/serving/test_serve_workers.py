@@ -12,7 +12,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -21,7 +20,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("tritonclient.http")
 
 from deploykit_cli import cli_env  # noqa: E402
-from serving import infer_features, metric_samples, running_server  # noqa: E402
+from serving import all_started, infer_features, metric_samples, running_server  # noqa: E402
 
 import deploykit  # noqa: E402
 
@@ -31,14 +30,6 @@ MODEL = "tabular"
 
 def infer(url: str, features: np.ndarray) -> np.ndarray:
     return infer_features(url, MODEL, features)["output_1"]
-
-
-def all_started(server, timeout_s: float = 60) -> str:
-    """The server's log once it says every worker is up (the first ready worker answers health probes)."""
-    deadline = time.monotonic() + timeout_s
-    while "serving at" not in (log := server.output()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return log
 
 
 def test_two_workers_answer_as_one_server_and_stop_together(bundle):
