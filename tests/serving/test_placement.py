@@ -64,9 +64,8 @@ def test_refusals(gpus):
     (["auto"], "openvino", 1, 16, 1),  # and OpenVINO on the CPU whatever the host has
     (["cpu"], "auto", 1, 16, 1),
 ])
-def test_auto_workers(gpus, monkeypatch, devices, backend, gpu_count, cores, workers):
+def test_auto_workers(monkeypatch, devices, backend, gpu_count, cores, workers):
     """``serve --workers auto``: HTTP processes for a GPU, one process on a CPU."""
-    gpus(gpu_count)
     monkeypatch.setattr(choose, "has_gpu", lambda: gpu_count > 0)
     monkeypatch.setattr(choose, "ort_has_cuda", lambda: True)
     monkeypatch.setattr(placement, "usable_cores", lambda: cores)
@@ -75,14 +74,13 @@ def test_auto_workers(gpus, monkeypatch, devices, backend, gpu_count, cores, wor
 
 @pytest.mark.parametrize(("manifest", "backend", "workers"), [
     ({}, "auto", 1),  # onnxruntime without CUDA runs it on the CPU, GPU or not
-    ({}, "aoti", 8),  # its CUDA packages
+    ({}, "aoti", 8),  # AOTInductor takes its CUDA packages where a GPU is seen
     ({"engines": [{"file": "model.engine"}]}, "auto", 8),  # an engine this GPU runs
     ({"tuning": {"device": "cuda", "gpu": "NVIDIA H200", "cuda_arch": "9.0"}}, "auto", 8),  # tuned on this GPU
     ({"tuning": {"device": "cuda", "gpu": "NVIDIA L4", "cuda_arch": "8.9"}}, "auto", 1),  # on another
 ])
-def test_auto_workers_follow_where_auto_puts_the_bundle(gpus, monkeypatch, manifest, backend, workers):
+def test_auto_workers_follow_where_auto_puts_the_bundle(monkeypatch, manifest, backend, workers):
     """With ``--device auto`` and a GPU visible, HTTP processes only where ``load`` would put the bundle on it."""
-    gpus(1)
     monkeypatch.setattr(choose, "local_gpus", lambda: [("NVIDIA H200", "9.0")])
     monkeypatch.setattr(record, "local_gpus", lambda: [("NVIDIA H200", "9.0")])
     monkeypatch.setattr(choose, "ort_has_cuda", lambda: False)
