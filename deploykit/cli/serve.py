@@ -96,8 +96,8 @@ def serve(bundles, host, port, grpc_port, backend, devices, instances, workers, 
             from deploykit.bundle.read import open_bundle
             from deploykit.serving.placement import auto_workers
 
-            workers = auto_workers(options.devices, options.backend, [open_bundle(path) for path in bundles],
-                                   trust_bundle)
+            workers = auto_workers(options.devices, options.backend, (open_bundle(path) for path in bundles),
+                                   trust_bundle)  # the manifests are read only for --device auto
         grpc_address = None
         if grpc_port is not None:
             from deploykit.serving import grpc_service

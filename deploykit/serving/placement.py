@@ -8,7 +8,7 @@ their count, so ``--device cuda --instances 4`` on two GPUs puts two on each. ``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from deploykit.errors import BadInputError, EnvironmentProblem
 from deploykit.bundle.read import Bundle
@@ -26,7 +26,7 @@ def usable_cores() -> int:
     return joblib.cpu_count()
 
 
-def auto_workers(devices: Sequence[str], backend: str = "auto", bundles: Sequence[Bundle] = (),
+def auto_workers(devices: Sequence[str], backend: str = "auto", bundles: Iterable[Bundle] = (),
                  trust_native: bool = False) -> int:
     """``serve --workers auto``: where the models run on a GPU (``--device cuda...``, or ``auto`` where
     ``deploykit.load`` would put one of ``bundles`` on a GPU), HTTP processes for half the cores, at most 8:
