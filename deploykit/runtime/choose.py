@@ -19,8 +19,7 @@ from deploykit.backends.openvino.bundle import load_openvino, openvino_entry
 from deploykit.backends.tensorrt.bundle import load_tensorrt_engine
 from deploykit.backends.tensorrt.compat import engine_problem_here
 from deploykit.backends.tensorrt.shim import local_gpus
-from deploykit.tuning import record
-from deploykit.tuning.route import ORT_HINTS, load_tuned
+from deploykit.tuning.route import ORT_HINTS, load_tuned, tuning_problem
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt", "aoti", "openvino")
 #: What ``load(..., backend="aoti")`` passes on to the AOTInductor runner.
@@ -97,7 +96,7 @@ def auto_device(bundle: Bundle, backend: str = "auto", trust_native: bool = Fals
     if backend in ("aoti", "tensorrt"):
         return "cuda"
     tuning = bundle.manifest.get("tuning")
-    if backend == "auto" and tuning and record.mismatch(tuning, record.machine("cuda")) is None:
+    if backend == "auto" and tuning and tuning_problem(tuning, "cuda") is None:
         return "cuda"
     return choose_backend(bundle, backend, "auto", trust_native)[1]
 

@@ -83,14 +83,20 @@ class TunedRunner(Runner):
             runner.close()
 
 
+def tuning_problem(tuning: dict, device: str, device_id: int = 0) -> str | None:
+    """Why a bundle's tuning table cannot route its runs on this device (None: it can)."""
+    problem = record.mismatch(tuning, record.machine(device, device_id))
+    if problem is None and not tuning.get("choices"):
+        problem = "no candidate passed when it was tuned"
+    return problem
+
+
 def load_tuned(bundle: Bundle, device: str, device_id: int, notes: list[str], *, trust_native: bool = False,
                verify: bool = True, allow_unvalidated: bool = False, op_library: bool = True,
                **ort_options) -> TunedRunner | None:
     """The tuned runner, or None (with the reason in ``notes``) where the table is not for this machine."""
     tuning = bundle.manifest["tuning"]
-    problem = record.mismatch(tuning, record.machine(device, device_id))
-    if problem is None and not tuning.get("choices"):
-        problem = "no candidate passed when it was tuned"
+    problem = tuning_problem(tuning, device, device_id)
     if problem:
         notes.append(f"tuning not used: {problem}")
         return None

@@ -72,12 +72,18 @@ def test_auto_workers(monkeypatch, devices, backend, gpu_count, cores, workers):
     assert placement.auto_workers(devices, backend, [_bundle()]) == workers
 
 
+TUNED_H200 = {"device": "cuda", "gpu": "NVIDIA H200", "cuda_arch": "9.0"}
+ORT_CUDA_AT_1 = {"batch": 1, "backend": "onnxruntime", "options": {}, "p50_ms": 0.5, "candidates": []}
+
+
 @pytest.mark.parametrize(("manifest", "backend", "workers"), [
     ({}, "auto", 1),  # onnxruntime without CUDA runs it on the CPU, GPU or not
     ({}, "aoti", 8),  # AOTInductor takes its CUDA packages where a GPU is seen
     ({"engines": [{"file": "model.engine"}]}, "auto", 8),  # an engine this GPU runs
-    ({"tuning": {"device": "cuda", "gpu": "NVIDIA H200", "cuda_arch": "9.0"}}, "auto", 8),  # tuned on this GPU
-    ({"tuning": {"device": "cuda", "gpu": "NVIDIA L4", "cuda_arch": "8.9"}}, "auto", 1),  # on another
+    ({"tuning": {**TUNED_H200, "choices": [ORT_CUDA_AT_1]}}, "auto", 8),  # tuned on this GPU
+    ({"tuning": {**TUNED_H200, "choices": []}}, "auto", 1),  # tuned on it, but no candidate passed
+    ({"tuning": {"device": "cuda", "gpu": "NVIDIA L4", "cuda_arch": "8.9", "choices": [ORT_CUDA_AT_1]}},
+     "auto", 1),  # on another
 ])
 def test_auto_workers_follow_where_auto_puts_the_bundle(monkeypatch, manifest, backend, workers):
     """With ``--device auto`` and a GPU visible, HTTP processes only where ``load`` would put the bundle on it."""
