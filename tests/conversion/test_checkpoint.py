@@ -130,12 +130,16 @@ def constants_as_views(state: collections.OrderedDict) -> collections.OrderedDic
     zero strides: under cheap_initialisation that is nearly every weight, so vit_h_14's checkpoint
     takes kilobytes instead of 2.5 GB (CI's disk filled on it). torch.save keeps strides, so the file
     still loads through torch.load and load_state_dict as the full tensors would."""
-    compact = collections.OrderedDict(
-        (key, tensor.flatten()[:1].clone().expand(tensor.shape)
-         if tensor.numel() > 1 and bool((tensor == tensor.flatten()[0]).all()) else tensor)
-        for key, tensor in state.items())
+    compact = collections.OrderedDict((key, _one_element_if_constant(tensor)) for key, tensor in state.items())
     compact._metadata = state._metadata
     return compact
+
+
+def _one_element_if_constant(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.numel() <= 1:  # nothing to gain, and a 0-d tensor has no element to expand from
+        return tensor
+    first = tensor.flatten()[:1]
+    return first.clone().expand(tensor.shape) if bool((tensor == first).all()) else tensor
 
 
 @pytest.mark.slow
